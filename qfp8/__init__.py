@@ -1,0 +1,17 @@
+"""qfp8: FP8 weights and activations for PyTorch models, with fast kernels."""
+
+from qfp8.nn import QLinear
+from qfp8.quantize import QuantizeReport, calibrate, freeze, quantize
+from qfp8.tensor import Float8ActivationTensor, Float8WeightTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Float8ActivationTensor",
+    "Float8WeightTensor",
+    "QLinear",
+    "QuantizeReport",
+    "calibrate",
+    "freeze",
+    "quantize",
+]

@@ -1,0 +1,246 @@
+"""FP8 formats, scales and the reference quantize / dequantize.
+
+Every other module takes its numerics from here (DESIGN.md, "Numerics"):
+
+- a scale multiplies on dequantization: ``x ~= q.float() * scale``;
+- ``scale = max(amax, EPS) / fmax`` in float32, so an all-zero row gets
+  zeros back, never NaN;
+- quantization saturates: ``q = clamp(x / scale, -fmax, fmax).to(fp8)``.
+
+Granularities
+-------------
+Weights ``[N, K]``: ``"tensor"`` (scale ``[1]``), ``"channel"`` (``[N, 1]``),
+``"block"`` (``[ceil(N/bn), ceil(K/bk)]``, partial tail blocks).
+Activations ``[..., K]`` (flattened to ``[M, K]``): ``"tensor"`` (``[1]``),
+``"token"`` (``[M, 1]``), ``"group"`` (``[M, ceil(K/128)]``, 1x128 groups).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+EPS = 1e-12
+DEFAULT_BLOCK_SIZE = (128, 128)
+ACTIVATION_GROUP_SIZE = 128
+
+FP8_DTYPES = {
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+}
+WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
+ACTIVATION_GRANULARITIES = ("tensor", "token", "group")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fp8_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Returns the torch FP8 dtype for ``name`` ("float8_e4m3fn", ... or a dtype)."""
+    if isinstance(name, torch.dtype):
+        if name in FP8_DTYPES.values():
+            return name
+        raise TypeError(f"{name} is not an FP8 dtype; expected one of {sorted(FP8_DTYPES)}")
+    if not isinstance(name, str) or name not in FP8_DTYPES:
+        raise ValueError(f"unknown FP8 dtype {name!r}; expected one of {sorted(FP8_DTYPES)}")
+    return FP8_DTYPES[name]
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def activation_dtype_for(weight_dtype: torch.dtype) -> torch.dtype:
+    """FP8 dtype of the activations that go with ``weight_dtype`` weights.
+
+    Activations are e4m3 (more mantissa, enough range once scaled), in the
+    fnuz variant when the weights are fnuz (AMD MI300 hardware takes only fnuz).
+    """
+    return torch.float8_e4m3fnuz if weight_dtype == torch.float8_e4m3fnuz else torch.float8_e4m3fn
+
+
+_DEQUANT_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def dequantize_table(dtype: torch.dtype) -> torch.Tensor:
+    """The 256 float32 values of an FP8 dtype, indexed by the code's bits."""
+    table = _DEQUANT_TABLES.get(dtype)
+    if table is None:
+        table = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32)
+        _DEQUANT_TABLES[dtype] = table
+    return table
+
+
+def fp8_to_float(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 codes to exact float values through a 256-entry lookup table.
+
+    torch's own FP8 cast is an elementwise loop that is slow on CPU; a table
+    lookup keeps the reference path usable on whole models.
+    """
+    table = dequantize_table(q.dtype).to(q.device)
+    return table[q.view(torch.uint8).long()].to(dtype)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (amax.to(torch.float32).clamp(min=EPS) / fp8_max(dtype)).to(torch.float32)
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Saturating cast: ``clamp(x / scale, -fmax, fmax).to(dtype)``; scale broadcasts."""
+    fmax = fp8_max(dtype)
+    return (x.to(torch.float32) / scale).clamp(-fmax, fmax).to(dtype)
+
+
+# ---------------------------------------------------------------- weights
+
+
+def block_scale_shape(shape: tuple[int, int], block_size: tuple[int, int]) -> tuple[int, int]:
+    n, k = shape
+    bn, bk = block_size
+    return (math.ceil(n / bn), math.ceil(k / bk))
+
+
+def _check_block_size(block_size) -> tuple[int, int]:
+    if (
+        not isinstance(block_size, (tuple, list))
+        or len(block_size) != 2
+        or not all(isinstance(b, int) and b > 0 for b in block_size)
+    ):
+        raise ValueError(f"block_size must be two positive ints (bn, bk), got {block_size!r}")
+    return (int(block_size[0]), int(block_size[1]))
+
+
+def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block_size) -> torch.Tensor:
+    """A ``[ceil(N/bn), ceil(K/bk)]`` block scale broadcast to ``[N, K]``."""
+    n, k = shape
+    bn, bk = block_size
+    return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+def weight_amax(weight: torch.Tensor, granularity: str, block_size=DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """Per-granularity amax of a ``[N, K]`` float weight, in float32."""
+    w = weight.detach().abs().to(torch.float32)
+    if granularity == "tensor":
+        return w.amax().reshape(1)
+    if granularity == "channel":
+        return w.amax(dim=1, keepdim=True)
+    if granularity == "block":
+        n, k = w.shape
+        bn, bk = _check_block_size(block_size)
+        nb, kb = block_scale_shape((n, k), (bn, bk))
+        padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
+        padded[:n, :k] = w
+        return padded.view(nb, bn, kb, bk).amax(dim=(1, 3))
+    raise ValueError(f"unknown weight scale granularity {granularity!r}; expected one of {WEIGHT_GRANULARITIES}")
+
+
+def quantize_weight(
+    weight: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    granularity: str = "channel",
+    block_size=DEFAULT_BLOCK_SIZE,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes a float ``[N, K]`` weight; returns ``(q [N, K] fp8, scale float32)``.
+
+    ``scale`` may be given (for example by the accuracy mode); otherwise it is
+    ``amax / fmax`` at the chosen granularity.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"a weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    if scale is None:
+        scale = scale_from_amax(weight_amax(weight, granularity, block_size), dtype)
+    if granularity == "block":
+        full_scale = expand_block_scale(scale, tuple(weight.shape), _check_block_size(block_size))
+    else:
+        full_scale = scale
+    return quantize_with_scale(weight, full_scale, dtype), scale.to(torch.float32)
+
+
+def dequantize_weight(
+    q: torch.Tensor, scale: torch.Tensor, block_size=None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``q.float() * scale`` for any weight granularity (block when ``block_size`` is set)."""
+    values = fp8_to_float(q)
+    if scale.numel() == 1:
+        out = values * scale.reshape(())
+    elif block_size:
+        out = values * expand_block_scale(scale, tuple(q.shape), block_size)
+    else:
+        out = values * scale.reshape(-1, 1)
+    return out.to(dtype)
+
+
+# ------------------------------------------------------------ activations
+
+
+def activation_amax(x: torch.Tensor, granularity: str) -> torch.Tensor:
+    """amax over the finite values of an ``[M, K]`` activation.
+
+    ``[1]`` (tensor), ``[M, 1]`` (token), ``[M, G]`` (group). Non-finite values
+    are left out so that one Inf cannot zero every other value of its scale
+    group; they are turned into NaN by :func:`quantize_activation` instead.
+    """
+    a = x.detach().abs().to(torch.float32)
+    a = torch.where(torch.isfinite(a), a, 0.0)
+    if granularity == "tensor":
+        return a.amax().reshape(1) if a.numel() else torch.zeros(1, device=a.device)
+    if granularity == "token":
+        return a.amax(dim=-1, keepdim=True)
+    if granularity == "group":
+        m, k = a.shape
+        groups = math.ceil(k / ACTIVATION_GROUP_SIZE)
+        padded = torch.zeros(m, groups * ACTIVATION_GROUP_SIZE, dtype=torch.float32, device=a.device)
+        padded[:, :k] = a
+        return padded.view(m, groups, ACTIVATION_GROUP_SIZE).amax(dim=-1)
+    raise ValueError(
+        f"unknown activation scale granularity {granularity!r}; expected one of {ACTIVATION_GRANULARITIES}"
+    )
+
+
+def expand_group_scale(scale: torch.Tensor, k: int) -> torch.Tensor:
+    return scale.repeat_interleave(ACTIVATION_GROUP_SIZE, dim=-1)[..., :k]
+
+
+def quantize_activation(
+    x: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    granularity: str = "token",
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes an ``[M, K]`` activation; returns ``(q, scale)``.
+
+    A given ``scale`` (static, calibrated) is a per-tensor ``[1]`` scale.
+    A non-finite input value becomes NaN, so it spoils exactly the outputs of
+    its own token row, as it would in a bf16 matmul; other rows are untouched.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"activations are quantized as [M, K], got shape {tuple(x.shape)}")
+    if scale is None:
+        scale = scale_from_amax(activation_amax(x, granularity), dtype)
+        full_scale = expand_group_scale(scale, x.shape[1]) if granularity == "group" else scale
+    else:
+        full_scale = scale.to(torch.float32).reshape(1)
+        scale = full_scale
+    fmax = fp8_max(dtype)
+    scaled = x.to(torch.float32) / full_scale
+    scaled = torch.where(torch.isfinite(scaled), scaled.clamp(-fmax, fmax), float("nan"))
+    return scaled.to(dtype), scale
+
+
+def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q.float() * scale`` for tensor ``[1]``, token ``[M, 1]`` or group ``[M, G]`` scales."""
+    values = fp8_to_float(q)
+    if scale.dim() == 2 and scale.shape[-1] > 1:
+        scale = expand_group_scale(scale, q.shape[-1])
+    return (values * scale).to(dtype)
+
+
+def sqnr(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``20 log10(|x| / |x - y|)``."""
+    ref = reference.detach().to(torch.float64)
+    err = ref - approximation.detach().to(torch.float64)
+    noise = err.norm()
+    if noise == 0:
+        return math.inf
+    return float(20 * torch.log10(ref.norm() / noise))

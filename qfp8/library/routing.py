@@ -1,0 +1,113 @@
+"""Routing: (device, dtypes, scheme, shape) -> the linear kernel that runs it.
+
+Kernels register here with a predicate that says whether they take a given
+request and, if not, why; ``select_kernel`` walks the kernels of the device
+in priority order and falls back to the reference op, which takes
+everything. Routing is decided once per module, at ``freeze``: the module
+then keeps the packed weight and calls the chosen op directly.
+
+``QFP8_KERNEL=reference`` in the environment forces the reference route
+(used to compare kernels against the oracle end to end).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from qfp8.library import ops  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
+
+
+@dataclass(frozen=True)
+class KernelRequest:
+    """What a linear layer asks of a kernel."""
+
+    device: torch.device
+    weight_dtype: torch.dtype
+    granularity: str  # "tensor" | "channel" | "block"
+    block_size: tuple[int, ...]  # () unless granularity == "block"
+    activation: str  # "none" | "token" | "tensor" | "group" | "static"
+    activation_dtype: torch.dtype
+    out_features: int
+    in_features: int
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    """A linear implementation and the weight layout it streams.
+
+    ``op(x, weight, weight_scale, bias, input_scale, *extra_args(request))``
+    computes the layer; ``pack`` turns a canonical ``[N, K]`` FP8 weight into
+    the kernel's layout and ``unpack(packed, N, K)`` gives it back, bit-exact.
+    ``supports`` returns None when the kernel takes the request, else the
+    reason it does not (shown in the quantize report).
+    """
+
+    name: str
+    op: Callable[..., torch.Tensor]
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    unpack: Callable[[torch.Tensor, int, int], torch.Tensor]
+    extra_args: Callable[[KernelRequest], tuple]
+    supports: Callable[[KernelRequest], str | None] = field(default=lambda request: None)
+
+
+def _identity_pack(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+def _identity_unpack(weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    return weight
+
+
+REFERENCE_KERNEL = LinearKernel(
+    name="reference",
+    op=torch.ops.qfp8.scaled_linear,
+    pack=_identity_pack,
+    unpack=_identity_unpack,
+    extra_args=lambda r: (list(r.block_size), r.activation, r.activation_dtype),
+)
+
+_KERNELS: dict[str, list[tuple[int, LinearKernel]]] = {}
+
+
+def register_kernel(device_type: str, kernel: LinearKernel, priority: int = 0) -> None:
+    """Adds ``kernel`` for ``device_type``; higher priority is tried first."""
+    entries = [entry for entry in _KERNELS.get(device_type, []) if entry[1].name != kernel.name]
+    entries.append((priority, kernel))
+    entries.sort(key=lambda entry: -entry[0])
+    _KERNELS[device_type] = entries
+
+
+def registered_kernels(device_type: str) -> list[LinearKernel]:
+    return [kernel for _, kernel in _KERNELS.get(device_type, [])]
+
+
+def kernel_by_name(name: str) -> LinearKernel:
+    """The registered kernel called ``name`` (the layout a weight is packed in)."""
+    if name == REFERENCE_KERNEL.name:
+        return REFERENCE_KERNEL
+    for entries in _KERNELS.values():
+        for _, kernel in entries:
+            if kernel.name == name:
+                return kernel
+    raise ValueError(f"no linear kernel named {name!r} is registered; known: {sorted(_known_names())}")
+
+
+def _known_names() -> set[str]:
+    return {REFERENCE_KERNEL.name} | {k.name for entries in _KERNELS.values() for _, k in entries}
+
+
+def select_kernel(request: KernelRequest) -> tuple[LinearKernel, list[str]]:
+    """The kernel for ``request`` and, for each better kernel passed over, why."""
+    if os.environ.get("QFP8_KERNEL", "") == "reference":
+        return REFERENCE_KERNEL, ["QFP8_KERNEL=reference"]
+    passed_over = []
+    for kernel in registered_kernels(request.device.type):
+        reason = kernel.supports(request)
+        if reason is None:
+            return kernel, passed_over
+        passed_over.append(f"{kernel.name}: {reason}")
+    return REFERENCE_KERNEL, passed_over

@@ -1,0 +1,257 @@
+"""``QLinear``: an ``nn.Linear`` whose weight is FP8.
+
+State (what ``state_dict`` holds, compressed-tensors names): ``weight`` (FP8
+``[N, K]``, canonical), ``weight_scale`` (float32), ``input_scale`` (float32
+``[1]``, static activations only), ``bias``. In memory the FP8 weight is kept
+in the layout of the kernel chosen for the module's device (``qweight``,
+never saved); ``weight`` returns it wrapped as a ``Float8WeightTensor``.
+
+Fast path: ``forward`` calls the chosen kernel op with plain tensors; all
+routing and validation happened when the kernel was chosen.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qfp8 import formats
+from qfp8.library import kernel_by_name, select_kernel
+from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest
+from qfp8.nn.scheme import QuantizationScheme
+from qfp8.tensor import Float8WeightTensor
+
+
+class QLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        scheme: QuantizationScheme | None = None,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scheme = scheme or QuantizationScheme()
+        self.orig_dtype = dtype
+        if self.scheme.weight_scale == "tensor":
+            scale_shape = (1,)
+        elif self.scheme.weight_scale == "channel":
+            scale_shape = (out_features, 1)
+        else:
+            scale_shape = formats.block_scale_shape((out_features, in_features), self.scheme.block_size)
+        self.register_buffer(
+            "qweight",
+            torch.zeros(out_features, in_features, dtype=self.scheme.weight_dtype, device=device),
+            persistent=False,
+        )
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", None)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self.packing = REFERENCE_KERNEL.name
+        self.kernel_notes: list[str] = []
+        self.calibrating = False
+        self._calibration_amax: torch.Tensor | None = None
+        self._use_kernel(REFERENCE_KERNEL)
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: QuantizationScheme, name: str = "") -> QLinear:
+        """Quantizes ``linear``'s weight (refusing NaN/Inf) into a new QLinear."""
+        weight = linear.weight.detach()
+        if not torch.isfinite(weight).all():
+            bad = int((~torch.isfinite(weight)).sum())
+            raise ValueError(
+                f"module {name or linear!r}: weight {tuple(weight.shape)} holds {bad} NaN/Inf value(s); "
+                "FP8 cannot represent them. Fix or exclude this module (exclude=[...])."
+            )
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            scheme=scheme,
+            dtype=weight.dtype,
+            device=torch.device("meta"),
+        )
+        qweight, scale = formats.quantize_weight(
+            weight, scheme.weight_dtype, scheme.weight_scale, scheme.block_size or None
+        )
+        module.qweight = qweight
+        module.weight_scale = scale
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        module.pack_for_device()
+        return module
+
+    # -------------------------------------------------------------- views
+    @property
+    def weight(self) -> Float8WeightTensor:
+        return Float8WeightTensor(
+            self.qweight,
+            self.weight_scale,
+            self.packing,
+            self.scheme.block_size,
+            self.orig_dtype,
+            self.out_features,
+            self.in_features,
+        )
+
+    def canonical_weight(self) -> torch.Tensor:
+        """The FP8 ``[N, K]`` weight, unpacked from the kernel layout."""
+        return kernel_by_name(self.packing).unpack(self.qweight, self.out_features, self.in_features)
+
+    @property
+    def is_calibrated(self) -> bool:
+        return self.scheme.activations != "static" or self.input_scale is not None
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"scheme={self.scheme.describe()}, kernel={self.packing}"
+        )
+
+    # ------------------------------------------------------------ routing
+    def kernel_request(self) -> KernelRequest:
+        return KernelRequest(
+            device=self.qweight.device,
+            weight_dtype=self.scheme.weight_dtype,
+            granularity=self.scheme.weight_scale,
+            block_size=self.scheme.block_size,
+            activation=self.scheme.activation_mode,
+            activation_dtype=self.scheme.activation_dtype,
+            out_features=self.out_features,
+            in_features=self.in_features,
+        )
+
+    def _use_kernel(self, kernel) -> None:
+        self.packing = kernel.name
+        self._kernel_op = kernel.op
+        self._extra_args = kernel.extra_args(self.kernel_request())
+        self._bind_op()
+
+    def _bind_op(self) -> None:
+        # An uncalibrated static layer gets an op that says what to do,
+        # so the fast path itself needs no check.
+        self._op = self._kernel_op if self.is_calibrated else self._uncalibrated
+
+    def _uncalibrated(self, *args):
+        raise RuntimeError(
+            f"QLinear({self.in_features} -> {self.out_features}) has static activation scales but was never "
+            "calibrated: run `with qfp8.calibrate(model): model(batch)` over calibration data first "
+            "(or load a checkpoint that holds input_scale)"
+        )
+
+    def pack_for_device(self) -> None:
+        """Chooses the kernel for the weight's device and packs the weight for it."""
+        if self.qweight.device.type == "meta":
+            return
+        canonical = self.canonical_weight()
+        kernel, passed_over = select_kernel(self.kernel_request())
+        self.qweight = kernel.pack(canonical.contiguous())
+        self.kernel_notes = passed_over
+        self._use_kernel(kernel)
+
+    def _apply(self, fn, recurse=True):
+        # Keep FP8 data FP8 and scales float32 when the model's dtype changes
+        # (model.to(torch.bfloat16) casts every floating buffer), and repack
+        # when the device changes: a kernel layout belongs to its device.
+        canonical = self.canonical_weight()
+        self.qweight = canonical
+        self._use_kernel(REFERENCE_KERNEL)
+        kept = {name: getattr(self, name) for name in ("qweight", "weight_scale", "input_scale")}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = getattr(self, name)
+            if before is not None and after is not None and after.dtype != before.dtype:
+                setattr(self, name, before.to(after.device))
+        if self.bias is not None:
+            self.orig_dtype = self.bias.dtype
+        self.pack_for_device()
+        return self
+
+    # ------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calibrating:
+            return self._calibration_forward(x)
+        return self._op(x, self.qweight, self.weight_scale, self.bias, self.input_scale, *self._extra_args)
+
+    def _calibration_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The running maximum of every batch seen so far sets the scale used
+        # now, so the layers downstream see this layer's quantization error.
+        if self.scheme.activations != "static":
+            return self._op(x, self.qweight, self.weight_scale, self.bias, self.input_scale, *self._extra_args)
+        amax = formats.activation_amax(x.reshape(-1, self.in_features), "tensor")
+        if self._calibration_amax is not None:
+            amax = torch.maximum(amax, self._calibration_amax)
+        self._calibration_amax = amax
+        scale = formats.scale_from_amax(amax, self.scheme.activation_dtype)
+        return self._kernel_op(x, self.qweight, self.weight_scale, self.bias, scale, *self._extra_args)
+
+    def start_calibration(self) -> None:
+        self.calibrating = True
+        self._calibration_amax = None
+
+    def end_calibration(self) -> None:
+        self.calibrating = False
+        if self._calibration_amax is not None:
+            self.input_scale = formats.scale_from_amax(self._calibration_amax, self.scheme.activation_dtype)
+        self._calibration_amax = None
+        self._bind_op()
+
+    # --------------------------------------------------------- state dict
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.canonical_weight()
+        destination[prefix + "weight_scale"] = self.weight_scale
+        if self.input_scale is not None:
+            destination[prefix + "input_scale"] = self.input_scale
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        device = self.weight_scale.device if self.weight_scale.device.type != "meta" else None
+        expected = {
+            "weight": ((self.out_features, self.in_features), self.scheme.weight_dtype),
+            "weight_scale": (tuple(self.weight_scale.shape), torch.float32),
+        }
+        if self.bias is not None:
+            expected["bias"] = ((self.out_features,), None)
+        loaded = {}
+        for key, (shape, dtype) in expected.items():
+            if prefix + key not in state_dict:
+                missing_keys.append(prefix + key)
+                continue
+            value = state_dict[prefix + key]
+            if tuple(value.shape) != shape or (dtype is not None and value.dtype != dtype):
+                error_msgs.append(
+                    f"{prefix}{key}: expected {dtype or 'float'} {list(shape)}, got {value.dtype} {list(value.shape)}"
+                )
+                continue
+            loaded[key] = value
+        if prefix + "input_scale" in state_dict:
+            value = state_dict[prefix + "input_scale"]
+            if value.numel() != 1:
+                error_msgs.append(f"{prefix}input_scale: expected 1 value, got shape {list(value.shape)}")
+            else:
+                loaded["input_scale"] = value.reshape(1).to(torch.float32)
+        if error_msgs or missing_keys and strict:
+            return
+        target = device or loaded.get("weight", self.qweight).device
+        if "weight" in loaded:
+            self.qweight = loaded["weight"].to(target)
+            self._use_kernel(REFERENCE_KERNEL)
+        if "weight_scale" in loaded:
+            self.weight_scale = loaded["weight_scale"].to(target)
+        if "input_scale" in loaded:
+            self.input_scale = loaded["input_scale"].to(target)
+            self._bind_op()
+        if "bias" in loaded:
+            self.bias = nn.Parameter(loaded["bias"].to(device=target, dtype=self.orig_dtype), requires_grad=False)
+        self.pack_for_device()

@@ -1,0 +1,74 @@
+"""Shared machinery of the FP8 tensor subclasses.
+
+A subclass declares its fields once -- ``tensor_data_names`` (inner tensors)
+and ``tensor_attribute_names`` (plain metadata) -- and gets flatten /
+unflatten for ``torch.compile`` from that declaration. Ops are looked up in
+a per-class table filled by ``@implements``; both the ``__torch_function__``
+and the ``__torch_dispatch__`` level consult it, and an op with no handler
+raises ``NotImplementedError`` naming it: a silent dequantize would hide a
+slow path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class Float8Tensor(torch.Tensor):
+    tensor_data_names: tuple[str, ...] = ()
+    tensor_attribute_names: tuple[str, ...] = ()
+    # Filled per subclass by ``implements``: function or aten overload -> handler.
+    _handlers: dict = {}
+
+    @classmethod
+    def implements(cls, *functions) -> Callable:
+        def decorator(handler):
+            table = cls.__dict__.get("_handlers")
+            if table is None:
+                table = {}
+                cls._handlers = table
+            for function in functions:
+                table[function] = handler
+            return handler
+
+        return decorator
+
+    # ---- torch.compile: the declared fields are the whole state
+    def __tensor_flatten__(self):
+        return list(self.tensor_data_names), tuple(getattr(self, name) for name in self.tensor_attribute_names)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, attributes, outer_size, outer_stride):
+        fields = [inner_tensors[name] for name in cls.tensor_data_names]
+        return cls(*fields, *attributes)
+
+    # ---- op routing
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for klass in _subclasses_in(types):
+            handler = klass._handlers.get(func)
+            if handler is not None:
+                return handler(func, types, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for klass in _subclasses_in(types):
+            handler = klass._handlers.get(func)
+            if handler is not None:
+                return handler(func, types, args, kwargs)
+        names = ", ".join(sorted({t.__name__ for t in types}))
+        raise NotImplementedError(
+            f"{names} does not implement {func}; call .dequantize() first if a float copy is what you want"
+        )
+
+
+def _subclasses_in(types):
+    for klass in types:
+        if isinstance(klass, type) and issubclass(klass, Float8Tensor):
+            yield klass

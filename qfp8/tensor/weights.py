@@ -1,0 +1,207 @@
+"""``Float8WeightTensor``: an FP8 ``[N, K]`` weight with its float32 scale.
+
+The FP8 data is held in the layout of the kernel that runs it (``packing``
+names that kernel; ``"reference"`` is the canonical ``[N, K]``). ``shape``
+and ``dtype`` are those of the float weight it stands for, so code that asks
+``weight.dtype`` or ``weight.shape`` sees what it expects.
+
+Handled: ``F.linear``, ``torch.matmul`` / ``@``, ``addmm`` (routed to the
+layout's kernel), ``detach``, ``clone``, ``to`` (a device move keeps FP8; a
+float ``dtype`` is an explicit dequantize), ``t`` / ``transpose``,
+``dequantize()``. Everything else raises ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qfp8 import formats
+from qfp8.library.routing import KernelRequest, kernel_by_name
+from qfp8.tensor.base import Float8Tensor
+
+aten = torch.ops.aten
+
+
+def weight_granularity(scale: torch.Tensor, block_size) -> str:
+    if block_size:
+        return "block"
+    return "tensor" if scale.numel() == 1 else "channel"
+
+
+class Float8WeightTensor(Float8Tensor):
+    tensor_data_names = ("qdata", "scale")
+    tensor_attribute_names = ("packing", "block_size", "orig_dtype", "out_features", "in_features", "transposed")
+
+    @staticmethod
+    def __new__(cls, qdata, scale, packing, block_size, orig_dtype, out_features, in_features, transposed=False):
+        shape = (in_features, out_features) if transposed else (out_features, in_features)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=orig_dtype, device=qdata.device, requires_grad=False
+        )
+
+    def __init__(self, qdata, scale, packing, block_size, orig_dtype, out_features, in_features, transposed=False):
+        self.qdata = qdata
+        self.scale = scale
+        self.packing = packing
+        self.block_size = tuple(block_size)
+        self.orig_dtype = orig_dtype
+        self.out_features = out_features
+        self.in_features = in_features
+        self.transposed = transposed
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, dtype=torch.float8_e4m3fn, granularity="channel", block_size=None
+    ) -> Float8WeightTensor:
+        """Quantizes a float ``[N, K]`` weight (canonical layout)."""
+        block = tuple(block_size or formats.DEFAULT_BLOCK_SIZE) if granularity == "block" else ()
+        qdata, scale = formats.quantize_weight(weight, dtype, granularity, block or None)
+        n, k = weight.shape
+        return cls(qdata, scale, "reference", block, weight.dtype, n, k)
+
+    # ---- views of the same data
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.qdata.dtype
+
+    @property
+    def granularity(self) -> str:
+        return weight_granularity(self.scale, self.block_size)
+
+    def canonical_qdata(self) -> torch.Tensor:
+        """The FP8 ``[N, K]`` weight, whatever layout it is held in."""
+        return kernel_by_name(self.packing).unpack(self.qdata, self.out_features, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        w = formats.dequantize_weight(self.canonical_qdata(), self.scale, self.block_size, dtype or self.orig_dtype)
+        return w.t() if self.transposed else w
+
+    def kernel_request(self, activation: str = "none", activation_dtype: torch.dtype | None = None) -> KernelRequest:
+        return KernelRequest(
+            device=self.qdata.device,
+            weight_dtype=self.fp8_dtype,
+            granularity=self.granularity,
+            block_size=self.block_size,
+            activation=activation,
+            activation_dtype=activation_dtype or formats.activation_dtype_for(self.fp8_dtype),
+            out_features=self.out_features,
+            in_features=self.in_features,
+        )
+
+    def _with(self, **changes) -> Float8WeightTensor:
+        fields = {name: getattr(self, name) for name in self.tensor_data_names + self.tensor_attribute_names}
+        fields.update(changes)
+        return Float8WeightTensor(**fields)
+
+    def __repr__(self):
+        scale = self.granularity + (f" {self.block_size[0]}x{self.block_size[1]}" if self.block_size else "")
+        return (
+            f"Float8WeightTensor(shape={tuple(self.shape)}, {str(self.fp8_dtype).replace('torch.', '')}, "
+            f"scale={scale}, packing={self.packing}, dequantizes to {str(self.orig_dtype).replace('torch.', '')}, "
+            f"device={self.qdata.device}{', transposed' if self.transposed else ''})"
+        )
+
+
+def _linear(x: torch.Tensor, weight: Float8WeightTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W^T + bias`` through the kernel of the weight's layout."""
+    from qfp8.tensor.activations import Float8ActivationTensor
+
+    if isinstance(x, Float8ActivationTensor):
+        # The dequantized activation holds the same FP8 values times its scale,
+        # so the products are those of an FP8 x FP8 matmul.
+        out_dtype = x.orig_dtype
+        x = x.dequantize(torch.float32)
+    else:
+        out_dtype = x.dtype
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(
+            f"linear: input has {x.shape[-1]} features, the FP8 weight expects {weight.in_features} "
+            f"(weight shape [{weight.out_features}, {weight.in_features}])"
+        )
+    kernel = kernel_by_name(weight.packing)
+    request = weight.kernel_request()
+    y = kernel.op(x, weight.qdata, weight.scale, bias, None, *kernel.extra_args(request))
+    return y.to(out_dtype)
+
+
+@Float8WeightTensor.implements(F.linear, aten.linear.default)
+def _(func, types, args, kwargs):
+    x, weight = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    if not isinstance(weight, Float8WeightTensor) or weight.transposed:
+        raise NotImplementedError(f"{func}: the FP8 weight must be the [out, in] weight argument")
+    return _linear(x, weight, bias)
+
+
+@Float8WeightTensor.implements(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, aten.mm.default)
+def _(func, types, args, kwargs):
+    a, b = args[0], args[1]
+    if isinstance(b, Float8WeightTensor) and b.transposed and not isinstance(a, Float8WeightTensor):
+        return _linear(a, b._with(transposed=False), None)
+    if isinstance(b, Float8WeightTensor) and not isinstance(a, Float8WeightTensor):
+        # x @ W with W as [N, K] (not a linear layer's use): explicit dequantize.
+        return torch.matmul(a, b.dequantize(a.dtype))
+    raise NotImplementedError(f"{func}: only x @ weight with the FP8 weight on the right is implemented")
+
+
+@Float8WeightTensor.implements(torch.addmm, aten.addmm.default)
+def _(func, types, args, kwargs):
+    bias, x, w = args[0], args[1], args[2]
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if not (isinstance(w, Float8WeightTensor) and w.transposed) or beta != 1 or alpha != 1:
+        raise NotImplementedError(f"{func}: only addmm(bias, x, weight.t()) with beta = alpha = 1 is implemented")
+    return _linear(x, w._with(transposed=False), bias)
+
+
+@Float8WeightTensor.implements(torch.Tensor.t, torch.t, aten.t.default)
+def _(func, types, args, kwargs):
+    return args[0]._with(transposed=not args[0].transposed)
+
+
+@Float8WeightTensor.implements(torch.Tensor.transpose, torch.transpose, aten.transpose.int)
+def _(func, types, args, kwargs):
+    w, dims = args[0], sorted(d % 2 for d in args[1:3])
+    if dims != [0, 1]:
+        return w
+    return w._with(transposed=not w.transposed)
+
+
+@Float8WeightTensor.implements(torch.Tensor.detach, aten.detach.default, aten.alias.default)
+def _(func, types, args, kwargs):
+    w = args[0]
+    return w._with(qdata=w.qdata.detach(), scale=w.scale.detach())
+
+
+@Float8WeightTensor.implements(torch.Tensor.clone, aten.clone.default)
+def _(func, types, args, kwargs):
+    w = args[0]
+    return w._with(qdata=w.qdata.clone(), scale=w.scale.clone())
+
+
+def _to_args(args, kwargs):
+    """Splits ``Tensor.to`` arguments into (device, dtype)."""
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    for arg in args[1:]:
+        if isinstance(arg, torch.dtype):
+            dtype = arg
+        elif isinstance(arg, (torch.device, str)):
+            device = arg
+        elif isinstance(arg, torch.Tensor):
+            device, dtype = arg.device, arg.dtype
+    return (torch.device(device) if device is not None else None), dtype
+
+
+@Float8WeightTensor.implements(torch.Tensor.to, aten._to_copy.default)
+def _(func, types, args, kwargs):
+    w = args[0]
+    device, dtype = _to_args(args, kwargs)
+    if dtype is not None and dtype != w.orig_dtype and dtype not in formats.FP8_DTYPES.values():
+        out = w.dequantize(dtype)  # a float dtype asks for a float tensor: an explicit dequantize
+        return out.to(device) if device is not None else out
+    if dtype is not None and dtype in formats.FP8_DTYPES.values() and dtype != w.fp8_dtype:
+        raise TypeError(f"Float8WeightTensor.to({dtype}): converting between FP8 formats is not supported")
+    if device is None or device == w.qdata.device:
+        return w
+    # A kernel layout belongs to its device: move the canonical form.
+    return w._with(qdata=w.canonical_qdata().to(device), scale=w.scale.to(device), packing="reference")
