@@ -55,7 +55,10 @@ class QuantizeReport:
             for e in self.entries
         ]
         widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-        lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+        lines = [
+            "  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in [header, *rows]
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(f"{len(self.quantized)} quantized, {len(self.skipped)} skipped")
         return "\n".join(lines)

@@ -1,0 +1,5 @@
+import sys
+
+from qfp8.cli import main
+
+sys.exit(main())
