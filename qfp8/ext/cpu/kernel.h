@@ -1,0 +1,169 @@
+// Shared declarations of the qfp8 CPU linear kernels (no torch headers, so
+// that the per-ISA translation units compile in seconds with their own flags).
+//
+// Packed weight layout (built by qfp8.library.cpu.pack_weight_cpu, the same
+// for every ISA):
+//
+//   packed[T][Kp / 2][64] bytes,  T = ceil(N / 32),  Kp = K rounded up to even
+//   packed[t][p][2 * c + j] = W[32 * t + c][2 * p + j]   (zero where out of range)
+//
+// i.e. tiles of 32 output channels; inside a tile, one 64-byte group per pair
+// of k values, channels in order, the two k of a pair side by side. A kernel
+// turns a group into float lanes in byte order, multiplies them by the pair
+// (x[2p], x[2p + 1]) repeated, and keeps per-lane float32 accumulators; at the
+// end of the tile lanes 2c and 2c + 1 are added to give channel c. The pair
+// interleave costs nothing per step (the x pair is one 64-bit broadcast) and
+// gives every ISA the same layout and twice the independent accumulators.
+//
+// Arithmetic: y[m][n] = row_scale[m] * sum_k x[m][k] * W[n][k] * s(n, k) + bias[n],
+// x in float32 (the op converts or quantizes the activations first), float32
+// accumulation, then a round-to-nearest-even store to the output dtype.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace qfp8 {
+
+constexpr int64_t kTileN = 32;       // output channels per tile
+constexpr int64_t kGroupBytes = 64;  // bytes per (tile, k pair) group
+
+enum WeightFormat : int { kE4M3FN = 0, kE5M2 = 1, kE4M3FNUZ = 2 };
+enum ScaleKind : int { kScaleTensor = 0, kScaleChannel = 1, kScaleBlock = 2 };
+enum OutDtype : int { kOutFloat = 0, kOutBFloat16 = 1, kOutHalf = 2 };
+
+struct LinearProblem {
+  const float* x;  // [M][ldx] float32, columns K..Kp-1 are zero
+  int64_t M, K, Kp, ldx;
+  const uint8_t* w;  // packed, see above
+  int64_t N;
+  int format;          // WeightFormat
+  float format_factor; // 2^8 (e4m3fn), 1 (e5m2), 2^7 (e4m3fnuz): see fp16 trick below
+  const float* scale;  // weight scale, float32
+  int scale_kind;      // ScaleKind
+  int64_t bn, bk, scale_cols;
+  const float* row_scale;  // [M] activation scale applied to the output rows, or null
+  const float* bias;       // [N] float32 or null
+  void* out;               // [M][ldo]
+  int out_dtype;           // OutDtype
+  int64_t ldo;
+};
+
+// Computes tiles [tile_begin, tile_end) of the problem. One per ISA; each is
+// compiled in its own translation unit with its own -m flags.
+using LinearTilesFn = void (*)(const LinearProblem&, int64_t tile_begin, int64_t tile_end);
+void linear_tiles_scalar(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
+void linear_tiles_avx2(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
+void linear_tiles_avx512(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
+void linear_tiles_avx512bf16(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
+
+// The FP8 -> fp16 bit trick every vector kernel uses: an e4m3 byte b becomes
+// the fp16 with bits ((int16)(b << 8) >> 1) & 0xBFFF (sign kept in bit 15,
+// exponent and mantissa one bit lower), whose value is the e4m3 value / 2^8
+// (e4m3fnuz: / 2^7); an e5m2 byte is already the high byte of its fp16.
+// Subnormal FP8 values become subnormal fp16 values, which vcvtph2ps
+// converts exactly, independent of MXCSR's DAZ. The factor goes back in with
+// the scale (never 2^120 folded into a scale: that overflows float32).
+inline float format_factor(int format) {
+  return format == kE4M3FN ? 256.0f : (format == kE4M3FNUZ ? 128.0f : 1.0f);
+}
+
+// The weight scale of (channel n, column k), without the format factor.
+inline float weight_scale_at(const LinearProblem& p, int64_t n, int64_t k) {
+  if (p.scale_kind == kScaleTensor) return p.scale[0];
+  if (p.scale_kind == kScaleChannel) return p.scale[n];
+  return p.scale[(n / p.bn) * p.scale_cols + k / p.bk];
+}
+
+// Fills lane_scale[64] with the scale of each lane of the group of k pair
+// `pair` in tile `tile` (times the format factor), for kernels that fold
+// block scales into the weights. Returns the first k at which it must be
+// recomputed, so a caller refreshes it only when a block boundary is crossed.
+inline int64_t fill_lane_scales(const LinearProblem& p, int64_t tile, int64_t pair, float* lane_scale) {
+  const int64_t k0 = 2 * pair;
+  for (int64_t c = 0; c < kTileN; ++c) {
+    int64_t n = tile * kTileN + c;
+    if (n >= p.N) n = p.N - 1;  // padded channels have zero weights; any finite scale will do
+    for (int64_t j = 0; j < 2; ++j) {
+      int64_t k = k0 + j < p.K ? k0 + j : p.K - 1;
+      lane_scale[2 * c + j] = weight_scale_at(p, n, k) * p.format_factor;
+    }
+  }
+  if (p.scale_kind != kScaleBlock) return p.Kp;
+  // Both k of a pair must stay in the same block: refresh at the pair holding
+  // the next block start (an odd bk puts a boundary inside a pair).
+  int64_t next = (k0 / p.bk + 1) * p.bk;
+  if (k0 + 1 < p.K && (k0 + 1) / p.bk != k0 / p.bk) next = k0 + 2;
+  return next & ~int64_t(1);
+}
+
+// float32 -> bfloat16 bits, round to nearest even; NaN stays NaN (the plain
+// rounding add would carry a low-payload NaN into Inf).
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// float32 -> IEEE fp16 bits, round to nearest even, overflow to Inf, NaN kept.
+// Portable (no F16C) so that the scalar kernel runs anywhere.
+inline uint16_t float_to_half_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: Inf
+  if (abs < 0x38800000u) {                                                  // fp16 subnormal or zero
+    if (abs < 0x33000000u) return static_cast<uint16_t>(sign);            // below half the smallest subnormal
+    const uint32_t exponent = abs >> 23;
+    const uint32_t mantissa = (abs & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - exponent;  // 14 .. 24
+    uint32_t half = mantissa >> shift;
+    const uint32_t rest = mantissa & ((1u << shift) - 1);
+    const uint32_t halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (half & 1u))) ++half;
+    return static_cast<uint16_t>(sign | half);
+  }
+  uint32_t h = ((abs - 0x38000000u) >> 13);
+  const uint32_t rest = abs & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(sign | h);
+}
+
+// Writes one tile's finished channel sums (multiplied by channel_mult) for
+// row m: applies the row scale and bias and stores the valid channels in the
+// output dtype. Scalar on purpose: it runs M * N times, against M * N * K
+// multiply-adds in the kernel.
+inline void store_tile_row(const LinearProblem& p, int64_t m, int64_t tile, const float* sums,
+                           const float* channel_mult) {
+  const int64_t n0 = tile * kTileN;
+  const int64_t count = p.N - n0 < kTileN ? p.N - n0 : kTileN;
+  const float row = p.row_scale ? p.row_scale[m] : 1.0f;
+  for (int64_t c = 0; c < count; ++c) {
+    float v = sums[c] * channel_mult[c];
+    if (p.row_scale) v *= row;
+    if (p.bias) v += p.bias[n0 + c];
+    if (p.out_dtype == kOutFloat) {
+      static_cast<float*>(p.out)[m * p.ldo + n0 + c] = v;
+    } else if (p.out_dtype == kOutBFloat16) {
+      static_cast<uint16_t*>(p.out)[m * p.ldo + n0 + c] = float_to_bf16_bits(v);
+    } else {
+      static_cast<uint16_t*>(p.out)[m * p.ldo + n0 + c] = float_to_half_bits(v);
+    }
+  }
+}
+
+// The per-channel multiplier applied at the end of a tile when the weight
+// scale is not folded into the weights (tensor and channel scales).
+inline void fill_channel_mult(const LinearProblem& p, int64_t tile, bool folded, float* mult) {
+  for (int64_t c = 0; c < kTileN; ++c) {
+    const int64_t n = tile * kTileN + c < p.N ? tile * kTileN + c : p.N - 1;
+    mult[c] = folded ? 1.0f : weight_scale_at(p, n, 0) * p.format_factor;
+  }
+}
+
+}  // namespace qfp8

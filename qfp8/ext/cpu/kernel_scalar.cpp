@@ -1,0 +1,78 @@
+// Portable scalar kernel: the fallback for any CPU (and any architecture).
+//
+// Layout: the packed tiles of kernel.h, [T][Kp/2][64] bytes.
+// Arithmetic: each FP8 byte is decoded through a 256-entry float table of its
+// exact value; the weight scale (times nothing: the table holds true values)
+// is folded per lane for block scales and applied per channel at the end
+// otherwise; 64 float32 lane accumulators per row, added pairwise per channel.
+// Compiled with the default flags of the build.
+#include <cmath>
+#include <vector>
+
+#include "kernel.h"
+
+namespace qfp8 {
+namespace {
+
+// Exact value of an FP8 code; built once per format (a table, not a decoder
+// in the inner loop).
+struct DecodeTable {
+  float value[3][256];
+  DecodeTable() {
+    for (int b = 0; b < 256; ++b) {
+      const int sign = b >> 7;
+      // e4m3fn / e4m3fnuz: 4 exponent bits, 3 mantissa bits, bias 7 / 8.
+      for (int f = 0; f < 3; f += 2) {
+        const int e = (b >> 3) & 15, m = b & 7, bias = f == 0 ? 7 : 8;
+        float v = e == 0 ? std::ldexp(static_cast<float>(m), 1 - bias - 3)
+                         : std::ldexp(static_cast<float>(8 + m), e - bias - 3);
+        if (f == 0 && (b & 0x7f) == 0x7f) v = NAN;
+        if (f == 2 && b == 0x80) v = NAN;
+        value[f][b] = sign && !(f == 2 && b == 0x80) ? -v : v;
+      }
+      // e5m2: 5 exponent bits, 2 mantissa bits, bias 15, IEEE Inf/NaN.
+      const int e = (b >> 2) & 31, m = b & 3;
+      float v = e == 0 ? std::ldexp(static_cast<float>(m), -16) : std::ldexp(static_cast<float>(4 + m), e - 17);
+      if (e == 31) v = m ? NAN : INFINITY;
+      value[1][b] = sign ? -v : v;
+    }
+  }
+};
+
+const DecodeTable& decode_table() {
+  static const DecodeTable table;
+  return table;
+}
+
+}  // namespace
+
+void linear_tiles_scalar(const LinearProblem& p, int64_t tile_begin, int64_t tile_end) {
+  const float* table = decode_table().value[p.format];
+  const bool folded = p.scale_kind == kScaleBlock;
+  LinearProblem unit = p;
+  unit.format_factor = 1.0f;  // the table already holds true values
+  std::vector<float> lane_scale(kGroupBytes), acc(kGroupBytes);
+  float sums[kTileN], mult[kTileN];
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    fill_channel_mult(unit, t, folded, mult);
+    const uint8_t* tile = p.w + t * (p.Kp / 2) * kGroupBytes;
+    for (int64_t m = 0; m < p.M; ++m) {
+      const float* x = p.x + m * p.ldx;
+      for (auto& a : acc) a = 0.0f;
+      int64_t refresh = 0;
+      for (int64_t pair = 0; pair < p.Kp / 2; ++pair) {
+        if (folded && 2 * pair >= refresh) refresh = fill_lane_scales(unit, t, pair, lane_scale.data());
+        const uint8_t* g = tile + pair * kGroupBytes;
+        for (int64_t lane = 0; lane < kGroupBytes; ++lane) {
+          float wv = table[g[lane]];
+          if (folded) wv *= lane_scale[lane];
+          acc[lane] += wv * x[2 * pair + (lane & 1)];
+        }
+      }
+      for (int64_t c = 0; c < kTileN; ++c) sums[c] = acc[2 * c] + acc[2 * c + 1];
+      store_tile_row(p, m, t, sums, mult);
+    }
+  }
+}
+
+}  // namespace qfp8

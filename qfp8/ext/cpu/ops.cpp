@@ -1,0 +1,408 @@
+// torch bindings of the qfp8 CPU linear kernels.
+//
+// The public op schemas (qfp8::scaled_linear_cpu, pack/unpack) are defined in
+// Python (qfp8/library/cpu.py); this file registers the CPU implementation of
+// qfp8::scaled_linear_cpu and a few private helpers (ISA selection, an
+// out-variant used by the tests to check that every output is written).
+//
+// Per call, on plain tensors: cheap shape checks, the activations turned into
+// a float32 [M][Kp] buffer (a copy of x, or x quantized to FP8 and held as
+// the exact FP8 values), then the tiles of 32 output channels are split over
+// threads with at::parallel_for. Each tile is computed whole by one thread,
+// so results do not depend on the number of threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <Python.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e4m3fnuz.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kernel.h"
+
+namespace qfp8 {
+namespace {
+
+// ---------------------------------------------------------------- ISA table
+
+struct IsaEntry {
+  const char* name;
+  LinearTilesFn fn;  // null when not compiled into this build
+  bool (*cpu_has)();
+};
+
+#if defined(__x86_64__) || defined(_M_X64)
+// __builtin_cpu_supports also checks that the OS saves the vector state.
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }
+bool has_avx512() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+#else
+bool has_avx2() { return false; }
+bool has_avx512() { return false; }
+bool has_avx512bf16() { return false; }
+#endif
+bool has_scalar() { return true; }
+
+// Best first. An ISA is usable when it was compiled (the build defines
+// QFP8_HAVE_<ISA> only if its translation unit compiled) and the CPU has it.
+const IsaEntry kIsas[] = {
+#ifdef QFP8_HAVE_AVX512BF16
+    {"avx512bf16", linear_tiles_avx512bf16, has_avx512bf16},
+#else
+    {"avx512bf16", nullptr, has_avx512bf16},
+#endif
+#ifdef QFP8_HAVE_AVX512
+    {"avx512", linear_tiles_avx512, has_avx512},
+#else
+    {"avx512", nullptr, has_avx512},
+#endif
+#ifdef QFP8_HAVE_AVX2
+    {"avx2", linear_tiles_avx2, has_avx2},
+#else
+    {"avx2", nullptr, has_avx2},
+#endif
+    {"scalar", linear_tiles_scalar, has_scalar},
+};
+
+const IsaEntry* best_isa() {
+  for (const auto& isa : kIsas)
+    if (isa.fn && isa.cpu_has()) return &isa;
+  return &kIsas[3];
+}
+
+std::atomic<const IsaEntry*> g_isa{nullptr};
+
+const IsaEntry& current_isa() {
+  const IsaEntry* isa = g_isa.load(std::memory_order_relaxed);
+  if (!isa) {
+    isa = best_isa();
+    g_isa.store(isa);
+  }
+  return *isa;
+}
+
+std::vector<std::string> usable_isas() {
+  std::vector<std::string> names;
+  for (const auto& isa : kIsas)
+    if (isa.fn && isa.cpu_has()) names.emplace_back(isa.name);
+  return names;
+}
+
+std::vector<std::string> compiled_isas() {
+  std::vector<std::string> names;
+  for (const auto& isa : kIsas)
+    if (isa.fn) names.emplace_back(isa.name);
+  return names;
+}
+
+void set_isa(c10::string_view name) {
+  for (const auto& isa : kIsas) {
+    if (name == isa.name) {
+      TORCH_CHECK(isa.fn, "qfp8: CPU kernel ISA '", std::string(name), "' was not compiled into this build");
+      TORCH_CHECK(isa.cpu_has(), "qfp8: this CPU does not support the '", std::string(name), "' kernel");
+      g_isa.store(&isa);
+      return;
+    }
+  }
+  TORCH_CHECK(false, "qfp8: unknown CPU kernel ISA '", std::string(name), "'; expected avx512bf16, avx512, avx2 or scalar");
+}
+
+std::string get_isa() { return current_isa().name; }
+
+// ------------------------------------------------------------ activations
+
+int weight_format(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat8_e4m3fn:
+      return kE4M3FN;
+    case at::kFloat8_e5m2:
+      return kE5M2;
+    case at::kFloat8_e4m3fnuz:
+      return kE4M3FNUZ;
+    default:
+      TORCH_CHECK(false, "qfp8::scaled_linear_cpu: packed_weight must be float8_e4m3fn, float8_e5m2 or "
+                         "float8_e4m3fnuz, got ", dtype);
+  }
+}
+
+// Reads element i of a float32/bfloat16/float16 buffer as float32.
+template <typename T>
+inline float load_float(const T* data, int64_t i) {
+  return static_cast<float>(data[i]);
+}
+
+// Rounds v (already clamped to +-fmax, or NaN) to the FP8 dtype with torch's
+// own conversion (round to nearest even) and returns the exact value.
+inline float round_to_fp8(float v, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat8_e4m3fn:
+      return static_cast<float>(c10::Float8_e4m3fn(v));
+    case at::kFloat8_e4m3fnuz:
+      return static_cast<float>(c10::Float8_e4m3fnuz(v));
+    default:
+      return static_cast<float>(c10::Float8_e5m2(v));
+  }
+}
+
+enum Activation { kNone, kToken, kTensor, kGroup, kStatic };
+constexpr int64_t kGroupSize = 128;  // 1 x 128 activation groups (formats.ACTIVATION_GROUP_SIZE)
+
+Activation parse_activation(c10::string_view activation) {
+  if (activation == "none") return kNone;
+  if (activation == "token") return kToken;
+  if (activation == "tensor") return kTensor;
+  if (activation == "group") return kGroup;
+  if (activation == "static") return kStatic;
+  TORCH_CHECK(false, "qfp8::scaled_linear_cpu: unknown activation mode '", std::string(activation),
+              "'; expected none, token, tensor, group or static");
+}
+
+// amax over the finite |x| of [begin, end) of one row (formats.activation_amax).
+template <typename T>
+float finite_amax(const T* x, int64_t begin, int64_t end) {
+  float amax = 0.0f;
+  for (int64_t k = begin; k < end; ++k) {
+    const float a = std::fabs(load_float(x, k));
+    if (std::isfinite(a) && a > amax) amax = a;
+  }
+  return amax;
+}
+
+// formats.quantize_activation for one segment: q = clamp(x / scale) rounded
+// to FP8 (NaN for a non-finite quotient), stored as its exact float value,
+// times `post` (1 when the scale is applied to the output row instead).
+template <typename T>
+void quantize_segment(const T* x, int64_t begin, int64_t end, float scale, float fmax, at::ScalarType dtype,
+                      float post, float* out) {
+  for (int64_t k = begin; k < end; ++k) {
+    float q = load_float(x, k) / scale;
+    q = std::isfinite(q) ? std::min(std::max(q, -fmax), fmax) : NAN;
+    const float value = round_to_fp8(q, dtype);
+    out[k] = post == 1.0f ? value : value * post;
+  }
+}
+
+inline float scale_from_amax(float amax, float fmax) { return std::max(amax, 1e-12f) / fmax; }
+
+// Fills buffer [M][Kp] (zero padded) and row_scale [M] from x [M][K].
+template <typename T>
+void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activation mode, at::ScalarType qdtype,
+                         const float* input_scale, float* buffer, float* row_scale) {
+  float qmax = 448.0f;
+  if (qdtype == at::kFloat8_e4m3fnuz) qmax = 240.0f;
+  if (qdtype == at::kFloat8_e5m2) qmax = 57344.0f;
+  float tensor_scale = 1.0f;
+  if (mode == kTensor) {
+    float amax = 0.0f;
+    for (int64_t m = 0; m < M; ++m) amax = std::max(amax, finite_amax(x + m * K, 0, K));
+    tensor_scale = scale_from_amax(amax, qmax);
+  } else if (mode == kStatic) {
+    tensor_scale = input_scale[0];
+  }
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* xr = x + m * K;
+      float* out = buffer + m * Kp;
+      for (int64_t k = K; k < Kp; ++k) out[k] = 0.0f;
+      switch (mode) {
+        case kNone:
+          for (int64_t k = 0; k < K; ++k) out[k] = load_float(xr, k);
+          break;
+        case kToken: {
+          const float scale = scale_from_amax(finite_amax(xr, 0, K), qmax);
+          quantize_segment(xr, 0, K, scale, qmax, qdtype, 1.0f, out);
+          row_scale[m] = scale;
+          break;
+        }
+        case kTensor:
+        case kStatic:
+          quantize_segment(xr, 0, K, tensor_scale, qmax, qdtype, 1.0f, out);
+          row_scale[m] = tensor_scale;
+          break;
+        case kGroup:
+          // The group scale varies along K, so it goes into the values
+          // (q * scale in float32, as formats.dequantize_activation does).
+          for (int64_t g = 0; g < K; g += kGroupSize) {
+            const int64_t end_k = std::min(K, g + kGroupSize);
+            const float scale = scale_from_amax(finite_amax(xr, g, end_k), qmax);
+            quantize_segment(xr, g, end_k, scale, qmax, qdtype, scale, out);
+          }
+          break;
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ linear
+
+void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& packed,
+                        const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& input_scale, int64_t N, int64_t K,
+                        at::IntArrayRef block_size, Activation mode, at::ScalarType activation_dtype) {
+  const char* op = "qfp8::scaled_linear_cpu";
+  TORCH_CHECK(x_in.device().is_cpu() && packed.device().is_cpu() && weight_scale.device().is_cpu(), op,
+              ": all tensors must be on the CPU, got x on ", x_in.device(), ", packed_weight on ", packed.device(),
+              ", weight_scale on ", weight_scale.device());
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, op, ": x has shape ", x_in.sizes(), " but in_features is ", K);
+  const auto xdtype = x_in.scalar_type();
+  TORCH_CHECK(xdtype == at::kFloat || xdtype == at::kBFloat16 || xdtype == at::kHalf, op,
+              ": x must be float32, bfloat16 or float16, got ", xdtype);
+  const int format = weight_format(packed.scalar_type());
+  const int64_t T = (N + kTileN - 1) / kTileN, Kp = (K + 1) & ~int64_t(1);
+  TORCH_CHECK(N >= 1 && K >= 1 && packed.is_contiguous() && packed.numel() == T * (Kp / 2) * kGroupBytes, op,
+              ": packed_weight has shape ", packed.sizes(), ", expected ", T * (Kp / 2) * kGroupBytes,
+              " contiguous bytes for out_features=", N, ", in_features=", K, " (pack it with pack_weight_cpu)");
+  TORCH_CHECK(weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous(), op,
+              ": weight_scale must be contiguous float32, got ", weight_scale.scalar_type());
+  LinearProblem p{};
+  p.bn = p.bk = p.scale_cols = 1;
+  if (!block_size.empty()) {
+    TORCH_CHECK(block_size.size() == 2 && block_size[0] > 0 && block_size[1] > 0, op,
+                ": block_size must be [bn, bk] or [], got ", block_size);
+    p.bn = block_size[0];
+    p.bk = block_size[1];
+    const int64_t rows = (N + p.bn - 1) / p.bn, cols = (K + p.bk - 1) / p.bk;
+    TORCH_CHECK(weight_scale.dim() == 2 && weight_scale.size(0) == rows && weight_scale.size(1) == cols, op,
+                ": block weight_scale has shape ", weight_scale.sizes(), ", expected [", rows, ", ", cols,
+                "] for out_features=", N, ", in_features=", K, ", block_size=", block_size);
+    p.scale_kind = kScaleBlock;
+    p.scale_cols = cols;
+  } else if (weight_scale.numel() == 1) {
+    p.scale_kind = kScaleTensor;
+  } else {
+    TORCH_CHECK(weight_scale.numel() == N, op, ": weight_scale has shape ", weight_scale.sizes(),
+                ", expected [1] or [", N, ", 1] for out_features=", N);
+    p.scale_kind = kScaleChannel;
+  }
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.numel() / K;
+  TORCH_CHECK(out.scalar_type() == xdtype && out.is_contiguous() && out.numel() == M * N, op, ": out has shape ",
+              out.sizes(), " and dtype ", out.scalar_type(), ", expected ", M * N, " contiguous ", xdtype);
+  const float* input_scale_data = nullptr;
+  if (mode == kStatic) {
+    TORCH_CHECK(input_scale.has_value() && input_scale->numel() == 1 && input_scale->scalar_type() == at::kFloat,
+                op, ": activation='static' needs a float32 input_scale of one element");
+    input_scale_data = input_scale->data_ptr<float>();
+  }
+  if (mode != kNone) {
+    TORCH_CHECK(activation_dtype == at::kFloat8_e4m3fn || activation_dtype == at::kFloat8_e4m3fnuz ||
+                    activation_dtype == at::kFloat8_e5m2,
+                op, ": activation_dtype must be an FP8 dtype, got ", activation_dtype);
+  }
+  std::vector<float> bias_buffer;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous(), op, ": bias has shape ", bias->sizes(),
+                ", expected [", N, "]");
+    const auto bdtype = bias->scalar_type();
+    if (bdtype == at::kFloat) {
+      p.bias = bias->data_ptr<float>();
+    } else {
+      TORCH_CHECK(bdtype == at::kBFloat16 || bdtype == at::kHalf, op,
+                  ": bias must be float32, bfloat16 or float16, got ", bdtype);
+      bias_buffer.resize(N);
+      for (int64_t n = 0; n < N; ++n)
+        bias_buffer[n] = bdtype == at::kBFloat16 ? static_cast<float>(bias->data_ptr<c10::BFloat16>()[n])
+                                                 : static_cast<float>(bias->data_ptr<c10::Half>()[n]);
+      p.bias = bias_buffer.data();
+    }
+  }
+  if (M == 0) return;
+
+  // Activations: used in place when they already are float32 with an even K.
+  std::vector<float> x_buffer, row_scale;
+  if (mode == kNone && xdtype == at::kFloat && K == Kp) {
+    p.x = x.data_ptr<float>();
+  } else {
+    x_buffer.resize(M * Kp);
+    if (mode != kNone) row_scale.resize(M);
+    if (xdtype == at::kFloat) {
+      prepare_activations(x.data_ptr<float>(), M, K, Kp, mode, activation_dtype, input_scale_data, x_buffer.data(),
+                          row_scale.data());
+    } else if (xdtype == at::kBFloat16) {
+      prepare_activations(x.data_ptr<c10::BFloat16>(), M, K, Kp, mode, activation_dtype, input_scale_data,
+                          x_buffer.data(), row_scale.data());
+    } else {
+      prepare_activations(x.data_ptr<c10::Half>(), M, K, Kp, mode, activation_dtype, input_scale_data,
+                          x_buffer.data(), row_scale.data());
+    }
+    p.x = x_buffer.data();
+    if (mode != kNone && mode != kGroup) p.row_scale = row_scale.data();
+  }
+  p.M = M;
+  p.K = K;
+  p.Kp = Kp;
+  p.ldx = Kp;
+  p.w = static_cast<const uint8_t*>(packed.data_ptr());
+  p.N = N;
+  p.format = format;
+  p.format_factor = format_factor(format);
+  p.scale = weight_scale.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.out_dtype = xdtype == at::kFloat ? kOutFloat : (xdtype == at::kBFloat16 ? kOutBFloat16 : kOutHalf);
+  p.ldo = N;
+
+  const LinearTilesFn fn = current_isa().fn;
+  // At least ~256K multiply-adds per chunk so that small layers run inline.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, M * Kp * kTileN));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) { fn(p, begin, end); });
+}
+
+at::Tensor scaled_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scale,
+                             const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale,
+                             int64_t out_features, int64_t in_features, at::IntArrayRef block_size,
+                             c10::string_view activation, at::ScalarType activation_dtype) {
+  TORCH_CHECK(x.dim() >= 1, "qfp8::scaled_linear_cpu: x must have at least one dimension, got a scalar");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  at::Tensor out = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  scaled_linear_into(out, x, packed, weight_scale, bias, input_scale, out_features, in_features, block_size,
+                     parse_activation(activation), activation_dtype);
+  return out;
+}
+
+void scaled_linear_cpu_into(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& input_scale, int64_t out_features, int64_t in_features,
+                            at::IntArrayRef block_size, c10::string_view activation, at::ScalarType activation_dtype) {
+  scaled_linear_into(out, x, packed, weight_scale, bias, input_scale, out_features, in_features, block_size,
+                     parse_activation(activation), activation_dtype);
+}
+
+}  // namespace
+}  // namespace qfp8
+
+// Private helpers; the public schemas live in qfp8/library/cpu.py.
+TORCH_LIBRARY_FRAGMENT(qfp8, m) {
+  m.def("_cpu_usable_isas() -> str[]", &qfp8::usable_isas);
+  m.def("_cpu_compiled_isas() -> str[]", &qfp8::compiled_isas);
+  m.def("_cpu_set_isa(str isa) -> ()", &qfp8::set_isa);
+  m.def("_cpu_get_isa() -> str", &qfp8::get_isa);
+  m.def(
+      "_scaled_linear_cpu_into(Tensor(a!) out, Tensor x, Tensor packed_weight, Tensor weight_scale, Tensor? bias, "
+      "Tensor? input_scale, int out_features, int in_features, int[] block_size, str activation, "
+      "ScalarType activation_dtype) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(qfp8, CPU, m) {
+  m.impl("scaled_linear_cpu", &qfp8::scaled_linear_cpu);
+  m.impl("_scaled_linear_cpu_into", &qfp8::scaled_linear_cpu_into);
+}
+
+// The module itself is empty: importing it runs the registrations above.
+static struct PyModuleDef qfp8_module = {PyModuleDef_HEAD_INIT, "_C",
+                                         "qfp8 CPU kernels, registered as torch.ops.qfp8.*", -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&qfp8_module); }
