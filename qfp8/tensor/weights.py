@@ -196,7 +196,7 @@ def _to_args(args, kwargs):
 def _(func, types, args, kwargs):
     w = args[0]
     device, dtype = _to_args(args, kwargs)
-    if dtype is not None and dtype != w.orig_dtype and dtype not in formats.FP8_DTYPES.values():
+    if dtype is not None and dtype not in formats.FP8_DTYPES.values():
         out = w.dequantize(dtype)  # a float dtype asks for a float tensor: an explicit dequantize
         return out.to(device) if device is not None else out
     if dtype is not None and dtype in formats.FP8_DTYPES.values() and dtype != w.fp8_dtype:

@@ -44,9 +44,7 @@ def test_reference_matches_float64(activation, granularity, xdtype):
     x = torch.randn(2, 3, k).to(xdtype)
     bias = torch.randn(n)
     input_scale = torch.tensor([x.float().abs().max().item() / 448]) if activation == "static" else None
-    y = torch.ops.qfp8.scaled_linear(
-        x, q, w_scale, bias, input_scale, list(block), activation, torch.float8_e4m3fn
-    )
+    y = torch.ops.qfp8.scaled_linear(x, q, w_scale, bias, input_scale, list(block), activation, torch.float8_e4m3fn)
     assert y.dtype == xdtype and y.shape == (2, 3, n)
     ref = float64_linear(x, q, w_scale, bias, block, activation, torch.float8_e4m3fn, input_scale)
     rel = ((y.double() - ref).abs().mean() / ref.abs().mean()).item()
