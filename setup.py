@@ -5,8 +5,9 @@ an ISA of ``ISA_FLAGS`` are compiled first, each with its own ``-m`` flags, and
 only on x86-64; an ISA whose file does not compile (an old compiler) is left
 out with a warning, and the bindings learn which ISAs exist through
 ``QFP8_HAVE_<ISA>`` macros. Every other file (the bindings, the scalar kernel,
-future ``cuda_host_*.cpp``) is compiled with the default flags. Which ISA runs
-is decided at run time from the CPU's features.
+``cuda_host_*.cpp``) is compiled with the default flags. Which ISA runs
+is decided at run time from the CPU's features. When torch has CUDA (and
+nvcc is found), ``qfp8._C_cuda`` is built too from ``qfp8/ext/cuda``.
 
     pip install --no-build-isolation -e .
 """
@@ -59,7 +60,7 @@ def extension_modules():
                         [source],
                         output_dir=self.build_temp,
                         include_dirs=ext.include_dirs,
-                        extra_postargs=COMMON_FLAGS + ["-fPIC"] + ISA_FLAGS[isa],
+                        extra_postargs=COMMON_FLAGS + ["-fPIC", "-Wno-maybe-uninitialized"] + ISA_FLAGS[isa],
                     )
                 except Exception as error:  # a compiler without this ISA: build the others
                     warnings.warn(f"qfp8: the {isa} kernel did not compile and is left out: {error}", stacklevel=1)
@@ -84,7 +85,34 @@ def extension_modules():
         extra_compile_args={"cxx": COMMON_FLAGS},
     )
     ext.isa_sources = isa_sources
-    return [ext], {"build_ext": BuildWithIsaFlags.with_options(use_ninja=True)}
+    return [ext, *cuda_extension_modules()], {"build_ext": BuildWithIsaFlags.with_options(use_ninja=True)}
+
+
+CUDA_DIR = os.path.join("qfp8", "ext", "cuda")
+# sm80/86 (weight-only kernel only), sm89 and sm90 (also _scaled_mm, which is torch's);
+# TORCH_CUDA_ARCH_LIST, when set, replaces this list.
+CUDA_ARCHES = ("80", "86", "89", "90")
+
+
+def cuda_extension_modules():
+    """qfp8._C_cuda (qfp8/ext/cuda: the .cu kernels + binding.cpp), only when torch has CUDA and nvcc exists."""
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
+
+    if torch.version.cuda is None or CUDA_HOME is None or os.environ.get("QFP8_NO_CUDA_EXTENSION", "") == "1":
+        return []
+    nvcc_flags = ["-O3", "-std=c++17"]
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        nvcc_flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHES]
+    sources = sorted(glob.glob(os.path.join(CUDA_DIR, "*.cu"))) + [os.path.join(CUDA_DIR, "binding.cpp")]
+    return [
+        CUDAExtension(
+            name="qfp8._C_cuda",
+            sources=sources,
+            include_dirs=[os.path.join(ROOT, CUDA_DIR)],
+            extra_compile_args={"cxx": COMMON_FLAGS, "nvcc": nvcc_flags},
+        )
+    ]
 
 
 def main():

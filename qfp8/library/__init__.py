@@ -7,4 +7,16 @@ the compiled kernels that could be loaded for this machine.
 from qfp8.library import ops  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
 from qfp8.library.routing import KernelRequest, LinearKernel, kernel_by_name, register_kernel, select_kernel
 
+try:  # registers the CPU kernel when qfp8._C is built (cpu.py itself falls back if the extension is missing)
+    from qfp8.library import cpu  # noqa: F401
+except ModuleNotFoundError as error:  # a source tree without the CPU kernel module: reference route only
+    if error.name != "qfp8.library.cpu":
+        raise
+
+try:  # defines the CUDA ops and registers the CUDA routes; touches no GPU until a layer is packed for one
+    from qfp8.library import cuda  # noqa: F401
+except ModuleNotFoundError as error:  # a source tree without the CUDA route module
+    if error.name != "qfp8.library.cuda":
+        raise
+
 __all__ = ["KernelRequest", "LinearKernel", "kernel_by_name", "register_kernel", "select_kernel"]

@@ -8,12 +8,11 @@
 //   packed[t][p][2 * c + j] = W[32 * t + c][2 * p + j]   (zero where out of range)
 //
 // i.e. tiles of 32 output channels; inside a tile, one 64-byte group per pair
-// of k values, channels in order, the two k of a pair side by side. A kernel
-// turns a group into float lanes in byte order, multiplies them by the pair
-// (x[2p], x[2p + 1]) repeated, and keeps per-lane float32 accumulators; at the
-// end of the tile lanes 2c and 2c + 1 are added to give channel c. The pair
-// interleave costs nothing per step (the x pair is one 64-bit broadcast) and
-// gives every ISA the same layout and twice the independent accumulators.
+// of k values, channels in order, the two k of a pair side by side. The
+// vector kernels split a group's even and odd bytes (k = 2p and k = 2p + 1)
+// with vpmaddubsw (a multiply port, no shuffle), so one instruction yields
+// the fp16 bits of 8 (16 for AVX512) consecutive channels at one k; each
+// parity keeps its own float32 accumulators, added at the end of the tile.
 //
 // Arithmetic: y[m][n] = row_scale[m] * sum_k x[m][k] * W[n][k] * s(n, k) + bias[n],
 // x in float32 (the op converts or quantizes the activations first), float32
@@ -76,9 +75,10 @@ inline float weight_scale_at(const LinearProblem& p, int64_t n, int64_t k) {
   return p.scale[(n / p.bn) * p.scale_cols + k / p.bk];
 }
 
-// Fills lane_scale[64] with the scale of each lane of the group of k pair
-// `pair` in tile `tile` (times the format factor), for kernels that fold
-// block scales into the weights. Returns the first k at which it must be
+// Fills lane_scale[64] with the scale (times the format factor) of each
+// weight of the group of k pair `pair` in tile `tile`, in the order
+// lane_scale[32 * j + c] for channel c and k = 2 * pair + j, for kernels that
+// fold block scales into the weights. Returns the first k at which it must be
 // recomputed, so a caller refreshes it only when a block boundary is crossed.
 inline int64_t fill_lane_scales(const LinearProblem& p, int64_t tile, int64_t pair, float* lane_scale) {
   const int64_t k0 = 2 * pair;
@@ -87,12 +87,12 @@ inline int64_t fill_lane_scales(const LinearProblem& p, int64_t tile, int64_t pa
     if (n >= p.N) n = p.N - 1;  // padded channels have zero weights; any finite scale will do
     for (int64_t j = 0; j < 2; ++j) {
       int64_t k = k0 + j < p.K ? k0 + j : p.K - 1;
-      lane_scale[2 * c + j] = weight_scale_at(p, n, k) * p.format_factor;
+      lane_scale[kTileN * j + c] = weight_scale_at(p, n, k) * p.format_factor;
     }
   }
   if (p.scale_kind != kScaleBlock) return p.Kp;
-  // Both k of a pair must stay in the same block: refresh at the pair holding
-  // the next block start (an odd bk puts a boundary inside a pair).
+  // Refresh at the pair holding the next block start (an odd bk puts a
+  // boundary inside a pair, and then the next pair starts a new block too).
   int64_t next = (k0 / p.bk + 1) * p.bk;
   if (k0 + 1 < p.K && (k0 + 1) / p.bk != k0 / p.bk) next = k0 + 2;
   return next & ~int64_t(1);

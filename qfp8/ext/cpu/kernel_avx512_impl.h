@@ -2,16 +2,16 @@
 // kernel_avx512bf16.cpp (each compiled with its own -m flags and defining
 // QFP8_AVX512_ENTRY, the name of its entry point).
 //
-// Layout: the packed tiles of kernel.h, [T][Kp/2][64] bytes; one 64-byte
-// group (32 channels x a k pair) becomes 4 zmm of float32 lanes in byte order.
+// Layout: the packed tiles of kernel.h, [T][Kp/2][64] bytes; 32 bytes of a
+// group hold 16 consecutive channels x a k pair.
 //
-// Arithmetic per 32 bytes: vpmovsxbw sign-extends to 32 words in order
-// ((int16)(int8)b), a shift left by 7 and an AND with 0xBFFF give the fp16
-// bits of the e4m3 value / 2^8 (e5m2: zero-extend and shift by 8), two
-// vcvtph2ps give 2 x 16 float32 lanes (exact, subnormals included),
-// vfmadd231ps with the broadcast pair (x[2p], x[2p+1]) accumulates. Scales
-// and the format factor as in the AVX2 kernel: per channel at the end, or
-// folded per lane for block scales and for the M > 1 panel.
+// Arithmetic per 32 bytes: as the AVX2 kernel, 256-bit wide: vpmaddubsw with
+// (128, 0) / (0, 128) gives 128 * (int8)b of the even / odd bytes as 16
+// words in channel order, an AND with 0xBFFF the fp16 bits (e5m2: shift /
+// AND), one vcvtph2ps 16 float32 lanes (exact, subnormals included), and
+// vfmadd231ps with a broadcast x[k] accumulates per parity of k. Scales and
+// format factor as in the AVX2 kernel. The M > 1 panel runs 8 rows x 32
+// channels per register block (16 zmm accumulators, x broadcast from memory).
 //
 // vdpbf16ps is deliberately not used by the avx512bf16 entry: turning FP8
 // into bf16 exactly (subnormals included, no 2^-120 bias that would flush
@@ -28,60 +28,55 @@
 namespace qfp8 {
 namespace {
 
-constexpr int64_t kPanelPairs = 64;  // k pairs per converted panel: 64 * 64 floats = 16 KB
+constexpr int64_t kPanelPairs = 64;  // k pairs per converted panel: 128 k x 32 floats = 16 KB
 constexpr int kRows = 8;             // rows per register block: 8 x 2 accumulators of 32 registers
 
-// 32 packed bytes -> 2 x 16 float32 lanes in byte order.
+// 32 packed bytes (16 channels x a k pair) -> float32 lanes of the 16
+// channels at k = 2p (even) and k = 2p + 1 (odd).
 template <int Format>
-inline void convert32(const uint8_t* src, __m512* out) {
+inline void convert32(const uint8_t* src, __m512& even, __m512& odd) {
   const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  __m512i words;
+  __m256i e, o;
   if (Format == kE5M2) {
-    words = _mm512_slli_epi16(_mm512_cvtepu8_epi16(bytes), 8);
+    e = _mm256_slli_epi16(bytes, 8);
+    o = _mm256_and_si256(bytes, _mm256_set1_epi16(static_cast<short>(0xFF00)));
   } else {
-    words = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7),
-                             _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+    const __m256i mask = _mm256_set1_epi16(static_cast<short>(0xBFFF));
+    e = _mm256_and_si256(_mm256_maddubs_epi16(_mm256_set1_epi16(0x0080), bytes), mask);
+    o = _mm256_and_si256(_mm256_maddubs_epi16(_mm256_set1_epi16(static_cast<short>(0x8000)), bytes), mask);
   }
-  out[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(words));
-  out[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(words, 1));
-}
-
-// (x[k], x[k+1]) repeated over the 16 lanes: one 64-bit broadcast.
-inline __m512 broadcast_pair(const float* x) {
-  return _mm512_castpd_ps(_mm512_set1_pd(*reinterpret_cast<const double*>(x)));
-}
-
-inline void reduce_lanes(const float* lanes, float* sums) {
-  for (int64_t c = 0; c < kTileN; ++c) sums[c] = lanes[2 * c] + lanes[2 * c + 1];
+  even = _mm512_cvtph_ps(e);
+  odd = _mm512_cvtph_ps(o);
 }
 
 template <int Format, bool Folded>
 void tile_single_row(const LinearProblem& p, int64_t t, const float* x, float* sums) {
   const uint8_t* g = p.w + t * (p.Kp / 2) * kGroupBytes;
   const int64_t pairs = p.Kp / 2;
-  __m512 acc[4];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  alignas(64) float lane_scale[kGroupBytes] = {};
-  __m512 scale[4];
+  __m512 acc_even[2], acc_odd[2], scale[4];
+  for (int j = 0; j < 2; ++j) acc_even[j] = acc_odd[j] = _mm512_setzero_ps();
   for (auto& s : scale) s = _mm512_setzero_ps();
+  alignas(64) float lane_scale[kGroupBytes] = {};
   int64_t refresh = 0;
   for (int64_t pair = 0; pair < pairs; ++pair, g += kGroupBytes) {
-    __m512 w[4];
-    convert32<Format>(g, w);
-    convert32<Format>(g + 32, w + 2);
-    const __m512 xx = broadcast_pair(x + 2 * pair);
-    if (Folded) {
-      if (2 * pair >= refresh) {
-        refresh = fill_lane_scales(p, t, pair, lane_scale);
-        for (int i = 0; i < 4; ++i) scale[i] = _mm512_load_ps(lane_scale + 16 * i);
-      }
-      for (int i = 0; i < 4; ++i) w[i] = _mm512_mul_ps(w[i], scale[i]);
+    if (Folded && 2 * pair >= refresh) {
+      refresh = fill_lane_scales(p, t, pair, lane_scale);
+      for (int j = 0; j < 4; ++j) scale[j] = _mm512_load_ps(lane_scale + 16 * j);
     }
-    for (int i = 0; i < 4; ++i) acc[i] = _mm512_fmadd_ps(w[i], xx, acc[i]);
+    const __m512 x0 = _mm512_set1_ps(x[2 * pair]);
+    const __m512 x1 = _mm512_set1_ps(x[2 * pair + 1]);
+    for (int j = 0; j < 2; ++j) {
+      __m512 e, o;
+      convert32<Format>(g + 32 * j, e, o);
+      if (Folded) {
+        e = _mm512_mul_ps(e, scale[j]);
+        o = _mm512_mul_ps(o, scale[2 + j]);
+      }
+      acc_even[j] = _mm512_fmadd_ps(e, x0, acc_even[j]);
+      acc_odd[j] = _mm512_fmadd_ps(o, x1, acc_odd[j]);
+    }
   }
-  alignas(64) float lanes[kGroupBytes];
-  for (int i = 0; i < 4; ++i) _mm512_store_ps(lanes + 16 * i, acc[i]);
-  reduce_lanes(lanes, sums);
+  for (int j = 0; j < 2; ++j) _mm512_storeu_ps(sums + 16 * j, _mm512_add_ps(acc_even[j], acc_odd[j]));
 }
 
 template <int Format>
@@ -89,43 +84,44 @@ void convert_panel(const LinearProblem& p, int64_t t, int64_t pair0, int64_t cou
                    float* lane_scale, int64_t& refresh) {
   const uint8_t* g = p.w + (t * (p.Kp / 2) + pair0) * kGroupBytes;
   __m512 scale[4];
-  for (int i = 0; i < 4; ++i) scale[i] = _mm512_load_ps(lane_scale + 16 * i);
+  for (int j = 0; j < 4; ++j) scale[j] = _mm512_load_ps(lane_scale + 16 * j);
   for (int64_t i = 0; i < count; ++i, g += kGroupBytes) {
     const int64_t pair = pair0 + i;
     if (2 * pair >= refresh) {
       refresh = fill_lane_scales(p, t, pair, lane_scale);
       for (int j = 0; j < 4; ++j) scale[j] = _mm512_load_ps(lane_scale + 16 * j);
     }
-    __m512 w[4];
-    convert32<Format>(g, w);
-    convert32<Format>(g + 32, w + 2);
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(panel + i * kGroupBytes + 16 * j, _mm512_mul_ps(w[j], scale[j]));
+    float* row = panel + 2 * i * kTileN;
+    for (int j = 0; j < 2; ++j) {
+      __m512 e, o;
+      convert32<Format>(g + 32 * j, e, o);
+      _mm512_store_ps(row + 16 * j, _mm512_mul_ps(e, scale[j]));
+      _mm512_store_ps(row + kTileN + 16 * j, _mm512_mul_ps(o, scale[2 + j]));
+    }
   }
 }
 
-// Rows times a converted panel, 32 lanes (16 channels) at a time.
+// Rows x a converted panel of `depth` k, all 32 channels at once.
 template <int Rows>
-void panel_rows(const float* panel, int64_t count, const float* const* x, float* const* acc_rows) {
-  for (int v = 0; v < 4; v += 2) {
-    __m512 acc[Rows][2];
+void panel_rows(const float* panel, int64_t depth, const float* const* x, float* const* acc_rows) {
+  __m512 acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) {
+    acc[r][0] = _mm512_loadu_ps(acc_rows[r]);
+    acc[r][1] = _mm512_loadu_ps(acc_rows[r] + 16);
+  }
+  const float* w = panel;
+  for (int64_t k = 0; k < depth; ++k, w += kTileN) {
+    const __m512 w0 = _mm512_load_ps(w);
+    const __m512 w1 = _mm512_load_ps(w + 16);
     for (int r = 0; r < Rows; ++r) {
-      acc[r][0] = _mm512_loadu_ps(acc_rows[r] + 16 * v);
-      acc[r][1] = _mm512_loadu_ps(acc_rows[r] + 16 * v + 16);
+      const __m512 xk = _mm512_set1_ps(x[r][k]);
+      acc[r][0] = _mm512_fmadd_ps(w0, xk, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w1, xk, acc[r][1]);
     }
-    const float* w = panel + 16 * v;
-    for (int64_t i = 0; i < count; ++i, w += kGroupBytes) {
-      const __m512 w0 = _mm512_load_ps(w);
-      const __m512 w1 = _mm512_load_ps(w + 16);
-      for (int r = 0; r < Rows; ++r) {
-        const __m512 xx = broadcast_pair(x[r] + 2 * i);
-        acc[r][0] = _mm512_fmadd_ps(w0, xx, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, xx, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < Rows; ++r) {
-      _mm512_storeu_ps(acc_rows[r] + 16 * v, acc[r][0]);
-      _mm512_storeu_ps(acc_rows[r] + 16 * v + 16, acc[r][1]);
-    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    _mm512_storeu_ps(acc_rows[r], acc[r][0]);
+    _mm512_storeu_ps(acc_rows[r] + 16, acc[r][1]);
   }
 }
 
@@ -136,7 +132,7 @@ constexpr PanelRowsFn kPanelRows[kRows + 1] = {nullptr,       panel_rows<1>, pan
 template <int Format>
 void tile_many_rows(const LinearProblem& p, int64_t t, float* panel, float* acc) {
   const int64_t pairs = p.Kp / 2;
-  std::fill(acc, acc + p.M * kGroupBytes, 0.0f);
+  std::fill(acc, acc + p.M * kTileN, 0.0f);
   alignas(64) float lane_scale[kGroupBytes] = {};
   int64_t refresh = 0;
   for (int64_t pair0 = 0; pair0 < pairs; pair0 += kPanelPairs) {
@@ -148,16 +144,17 @@ void tile_many_rows(const LinearProblem& p, int64_t t, float* panel, float* acc)
       float* acc_rows[kRows];
       for (int r = 0; r < rows; ++r) {
         x[r] = p.x + (m0 + r) * p.ldx + 2 * pair0;
-        acc_rows[r] = acc + (m0 + r) * kGroupBytes;
+        acc_rows[r] = acc + (m0 + r) * kTileN;
       }
-      kPanelRows[rows](panel, count, x, acc_rows);
+      kPanelRows[rows](panel, 2 * count, x, acc_rows);
     }
   }
 }
 
 template <int Format>
 void linear_tiles(const LinearProblem& p, int64_t tile_begin, int64_t tile_end) {
-  float sums[kTileN], mult[kTileN];
+  alignas(64) float sums[kTileN];
+  float mult[kTileN];
   if (p.M == 1) {
     const bool folded = p.scale_kind == kScaleBlock;
     for (int64_t t = tile_begin; t < tile_end; ++t) {
@@ -171,16 +168,13 @@ void linear_tiles(const LinearProblem& p, int64_t tile_begin, int64_t tile_end) 
     }
     return;
   }
-  std::vector<float> panel_storage(kPanelPairs * kGroupBytes + 16);
+  std::vector<float> panel_storage(2 * kPanelPairs * kTileN + 16);
   float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) & ~uintptr_t(63));
-  std::vector<float> acc(p.M * kGroupBytes);
+  std::vector<float> acc(p.M * kTileN);
   for (int64_t t = tile_begin; t < tile_end; ++t) {
     fill_channel_mult(p, t, true, mult);
     tile_many_rows<Format>(p, t, panel, acc.data());
-    for (int64_t m = 0; m < p.M; ++m) {
-      reduce_lanes(acc.data() + m * kGroupBytes, sums);
-      store_tile_row(p, m, t, sums, mult);
-    }
+    for (int64_t m = 0; m < p.M; ++m) store_tile_row(p, m, t, acc.data() + m * kTileN, mult);
   }
 }
 

@@ -65,7 +65,7 @@ void linear_tiles_scalar(const LinearProblem& p, int64_t tile_begin, int64_t til
         const uint8_t* g = tile + pair * kGroupBytes;
         for (int64_t lane = 0; lane < kGroupBytes; ++lane) {
           float wv = table[g[lane]];
-          if (folded) wv *= lane_scale[lane];
+          if (folded) wv *= lane_scale[kTileN * (lane & 1) + lane / 2];
           acc[lane] += wv * x[2 * pair + (lane & 1)];
         }
       }

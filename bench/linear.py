@@ -1,0 +1,170 @@
+"""Linear-layer kernels on CPU: qfp8 against torch's bf16/fp32/FP8/INT8 paths.
+
+Every method runs in the same process, interleaved round by round, on cold
+weights: each method rotates among enough copies of its weights to touch
+more than the last-level cache between two of its calls. Reports medians,
+ratios against torch's bf16 ``F.linear`` and, at M = 1, the weight-read rate
+next to a plain streaming read of the same bytes.
+
+    python bench/linear.py                 # full table, 1 thread
+    python bench/linear.py --threads 2
+    python bench/linear.py --quick --json out.json   # CI: < 60 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from qfp8 import formats
+from qfp8.library import cpu
+
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (576, 576), (576, 1536), (1536, 576)]  # (K, N)
+QUICK_SHAPES = [(4096, 4096), (576, 1536)]
+MS = [1, 4, 16, 64, 256]
+QUICK_MS = [1, 16]
+COLUMNS = ["bf16", "fp32", "qfp8_w8a16", "qfp8_w8a8", "dequant_bf16", "scaled_mm", "int8pack_mm"]
+LLC_BYTES = 32 << 20  # cold means: more than this many bytes touched between two calls of a method
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, math.ceil(2 * LLC_BYTES / max(nbytes, 1)) + 1)
+
+
+def make_methods(k: int, n: int):
+    """name -> (list of callables taking x_bf16, one per weight copy)."""
+    w = torch.randn(n, k) / math.sqrt(k)
+    q, scale = formats.quantize_weight(w, torch.float8_e4m3fn, "channel")
+    act = torch.float8_e4m3fn
+    methods = {}
+
+    def rotate(build, nbytes):
+        return [build() for _ in range(copies_for(nbytes))]
+
+    def bf16_fn():
+        wb = w.to(torch.bfloat16)
+        return lambda x: F.linear(x, wb)
+
+    def fp32_fn():
+        wf = w.clone()
+        return lambda x: F.linear(x.float(), wf)
+
+    def qfp8_fn(activation):
+        def build():
+            packed = torch.ops.qfp8.pack_weight_cpu(q)
+            op = torch.ops.qfp8.scaled_linear_cpu
+            return lambda x: op(x, packed, scale, None, None, n, k, [], activation, act)
+
+        return build
+
+    def dequant_fn():
+        qc = q.clone()
+        return lambda x: F.linear(x, (qc.to(torch.bfloat16) * scale.to(torch.bfloat16)))
+
+    def scaled_mm_fn():
+        qt = q.clone().t()  # column-major second operand, as _scaled_mm wants
+        one = torch.ones((), dtype=torch.float32)
+
+        def run(x):
+            xq, xs = formats.quantize_activation(x, act, "tensor")
+            return torch._scaled_mm(xq, qt, scale_a=xs.reshape(()), scale_b=one, out_dtype=torch.bfloat16)
+
+        return run
+
+    def int8_fn():
+        wi = torch.clamp(torch.round(w / (w.abs().amax(1, keepdim=True) / 127)), -127, 127).to(torch.int8)
+        s = (w.abs().amax(1) / 127).to(torch.bfloat16)
+        return lambda x: torch._weight_int8pack_mm(x, wi, s)
+
+    methods["bf16"] = rotate(bf16_fn, 2 * n * k)
+    methods["fp32"] = rotate(fp32_fn, 4 * n * k)
+    methods["qfp8_w8a16"] = rotate(qfp8_fn("none"), n * k)
+    methods["qfp8_w8a8"] = rotate(qfp8_fn("token"), n * k)
+    methods["dequant_bf16"] = rotate(dequant_fn, n * k)
+    methods["scaled_mm"] = rotate(scaled_mm_fn, n * k)
+    methods["int8pack_mm"] = rotate(int8_fn, n * k)
+    stream = rotate(
+        lambda: (lambda t: lambda x: t.sum())(torch.randint(0, 100, (n * k // 8,), dtype=torch.int64)), n * k
+    )
+    return methods, stream
+
+
+def measure(calls: dict, x, rounds: int, budget_s: float) -> dict:
+    """Interleaved medians (seconds) of each method; stops early when over budget."""
+    times = {name: [] for name in calls}
+    position = {name: 0 for name in calls}
+    start = time.perf_counter()
+    for r in range(rounds):
+        for name, fns in calls.items():
+            fn = fns[position[name] % len(fns)]
+            position[name] += 1
+            t0 = time.perf_counter()
+            fn(x)
+            times[name].append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - start > budget_s:
+            break
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="two shapes, M in (1, 16), few rounds (CI)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--shapes", nargs="*", metavar="KxN", help="only these shapes, e.g. 4096x4096")
+    parser.add_argument("--ms", nargs="*", type=int, metavar="M", help="only these M")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    shapes, ms = (QUICK_SHAPES, QUICK_MS) if args.quick else (SHAPES, MS)
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+    if args.ms:
+        ms = args.ms
+    rounds = args.rounds or (3 if args.quick else 9)
+    budget = 2.0 if args.quick else 30.0
+    rows = []
+    print(f"qfp8 CPU kernel: {cpu.cpu_kernel_isa()}, threads: {args.threads}, torch {torch.__version__}")
+    header = f"{'K':>6} {'N':>6} {'M':>4} | " + " | ".join(f"{c:>15}" for c in COLUMNS) + " | GB/s w8a16 / stream"
+    print(header)
+    print("-" * len(header))
+    for k, n in shapes:
+        methods, stream = make_methods(k, n)
+        for m in ms:
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            calls = dict(methods)
+            if m == 1:
+                calls["stream_read"] = stream
+            for fns in calls.values():  # warm-up: first call of each (allocations, lazy init)
+                fns[0](x)
+            med = measure(calls, x, rounds, budget)
+            row = {"K": k, "N": n, "M": m, "threads": args.threads, "isa": cpu.cpu_kernel_isa()}
+            for c in COLUMNS:
+                row[f"{c}_ms"] = med[c] * 1e3
+                row[f"{c}_vs_bf16"] = med["bf16"] / med[c]
+            cells = [f"{med[c] * 1e3:8.2f} {med['bf16'] / med[c]:5.2f}x" for c in COLUMNS]
+            extra = ""
+            if m == 1:
+                row["w8a16_gbps"] = n * k / med["qfp8_w8a16"] / 1e9
+                row["stream_gbps"] = n * k / med["stream_read"] / 1e9
+                extra = f"{row['w8a16_gbps']:6.1f} / {row['stream_gbps']:5.1f}"
+            print(f"{k:>6} {n:>6} {m:>4} | " + " | ".join(cells) + " | " + extra, flush=True)
+            rows.append(row)
+        del methods, stream
+    print("cells: median ms and speed-up over torch bf16 F.linear (higher is better)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"columns": COLUMNS, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""CPU kernel ops: FP8 linear on pre-packed weights (qfp8/ext/cpu).
+
+Importing this module defines
+
+- ``qfp8::pack_weight_cpu(Tensor weight) -> Tensor``: canonical FP8 ``[N, K]``
+  to the kernel layout (same dtype): ``[ceil(N/32), ceil(K/2), 64]`` with
+  ``packed[t, p, 2c + j] = weight[32t + c, 2p + j]``, zero padded; see
+  ``qfp8/ext/cpu/kernel.h``;
+- ``qfp8::unpack_weight_cpu(Tensor packed, int out_features, int in_features)``,
+  its bitwise inverse;
+- ``qfp8::scaled_linear_cpu(x, packed_weight, weight_scale, bias, input_scale,
+  out_features, in_features, block_size, activation, activation_dtype)``, with
+  the semantics of the reference ``torch.ops.qfp8.scaled_linear``,
+
+with fake implementations for ``torch.compile``, and registers the kernel in
+the routing table for CPU. The op checks its arguments cheaply in C++ on
+every call (errors name the sizes); :func:`check_linear_args` is the full
+validation, raising ``ValueError`` that names the sizes, that callers run once (at
+freeze) before calling the op directly.
+
+ISA: the best variant this CPU and build support (avx512bf16 > avx512 > avx2
+> scalar) is picked at import. ``QFP8_CPU_ISA=scalar|avx2|avx512|avx512bf16``
+forces one; forcing one the CPU or build lacks warns and keeps the best
+supported one (a model still runs). :func:`set_cpu_kernel_isa` does the same
+but raises ``ValueError``. If the extension is missing, ``scaled_linear_cpu``
+still works (it unpacks and runs the reference op) but is not registered
+for routing, so quantized models take the reference route.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import warnings
+
+import torch
+
+from qfp8 import formats
+from qfp8.ext import load_cpu_extension
+from qfp8.library import ops  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
+from qfp8.library.ops import ACTIVATION_MODES
+from qfp8.library.routing import KernelRequest, LinearKernel, register_kernel
+
+TILE_N = 32  # output channels per packed tile
+ISAS = ("avx512bf16", "avx512", "avx2", "scalar")
+
+torch.library.define("qfp8::pack_weight_cpu", "(Tensor weight) -> Tensor")
+torch.library.define("qfp8::unpack_weight_cpu", "(Tensor packed, int out_features, int in_features) -> Tensor")
+torch.library.define(
+    "qfp8::scaled_linear_cpu",
+    "(Tensor x, Tensor packed_weight, Tensor weight_scale, Tensor? bias, Tensor? input_scale, int out_features, "
+    "int in_features, int[] block_size, str activation, ScalarType activation_dtype) -> Tensor",
+)
+
+
+def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """Shape of the packed weight of an ``[out_features, in_features]`` layer."""
+    return (math.ceil(out_features / TILE_N), math.ceil(in_features / 2), 2 * TILE_N)
+
+
+@torch.library.impl("qfp8::pack_weight_cpu", "CPU")
+def _pack_weight_cpu(weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    tiles, pairs, _ = packed_shape(n, k)
+    padded = torch.zeros(tiles * TILE_N, 2 * pairs, dtype=torch.uint8)
+    padded[:n, :k] = weight.view(torch.uint8)
+    packed = padded.view(tiles, TILE_N, pairs, 2).permute(0, 2, 1, 3).contiguous()
+    return packed.view(tiles, pairs, 2 * TILE_N).view(weight.dtype)
+
+
+@torch.library.impl("qfp8::unpack_weight_cpu", "CPU")
+def _unpack_weight_cpu(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    tiles, pairs, _ = packed_shape(out_features, in_features)
+    grouped = packed.view(torch.uint8).view(tiles, pairs, TILE_N, 2).permute(0, 2, 1, 3)
+    full = grouped.reshape(tiles * TILE_N, 2 * pairs)
+    return full[:out_features, :in_features].clone().view(packed.dtype)
+
+
+@torch.library.register_fake("qfp8::pack_weight_cpu")
+def _(weight):
+    return weight.new_empty(packed_shape(weight.shape[0], weight.shape[1]))
+
+
+@torch.library.register_fake("qfp8::unpack_weight_cpu")
+def _(packed, out_features, in_features):
+    return packed.new_empty((out_features, in_features))
+
+
+@torch.library.register_fake("qfp8::scaled_linear_cpu")
+def _(x, packed_weight, weight_scale, bias, input_scale, out_features, in_features, block_size, activation, dtype):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+_EXTENSION = load_cpu_extension()
+
+if _EXTENSION is None:
+    # No compiled kernel: the op still has its meaning (unpack, then the
+    # reference op), so direct callers and tests keep working.
+    @torch.library.impl("qfp8::scaled_linear_cpu", "CPU")
+    def _scaled_linear_cpu_reference(
+        x, packed_weight, weight_scale, bias, input_scale, out_features, in_features, block_size, activation, dtype
+    ):
+        weight = _unpack_weight_cpu(packed_weight, out_features, in_features)
+        return torch.ops.qfp8.scaled_linear(x, weight, weight_scale, bias, input_scale, block_size, activation, dtype)
+
+
+def usable_isas() -> list[str]:
+    """ISAs compiled into this build that this CPU runs, best first (["scalar"] at least)."""
+    if _EXTENSION is None:
+        return []
+    return list(torch.ops.qfp8._cpu_usable_isas())
+
+
+def compiled_isas() -> list[str]:
+    if _EXTENSION is None:
+        return []
+    return list(torch.ops.qfp8._cpu_compiled_isas())
+
+
+def cpu_kernel_isa() -> str | None:
+    """The ISA the CPU kernel runs with now ("avx2", ...), or None without the extension."""
+    if _EXTENSION is None:
+        return None
+    return str(torch.ops.qfp8._cpu_get_isa())
+
+
+def set_cpu_kernel_isa(isa: str) -> None:
+    """Makes every later call use ``isa``; ``ValueError`` if unknown or not runnable here."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown CPU kernel ISA {isa!r}; expected one of {ISAS}")
+    if _EXTENSION is None:
+        raise ValueError("the qfp8 CPU extension is not loaded; no CPU kernel ISA can be selected")
+    usable = usable_isas()
+    if isa not in usable:
+        why = "was not compiled into this build" if isa not in compiled_isas() else "is not supported by this CPU"
+        raise ValueError(f"CPU kernel ISA {isa!r} {why}; usable here: {usable}")
+    torch.ops.qfp8._cpu_set_isa(isa)
+
+
+@contextlib.contextmanager
+def cpu_kernel_isa_forced(isa: str):
+    """Runs the block with ``isa`` selected (tests), then restores the previous one."""
+    previous = cpu_kernel_isa()
+    set_cpu_kernel_isa(isa)
+    try:
+        yield
+    finally:
+        torch.ops.qfp8._cpu_set_isa(previous)
+
+
+def _apply_isa_environment() -> None:
+    requested = os.environ.get("QFP8_CPU_ISA", "").strip().lower()
+    if not requested or _EXTENSION is None:
+        return
+    try:
+        set_cpu_kernel_isa(requested)
+    except ValueError as error:
+        warnings.warn(f"QFP8_CPU_ISA={requested}: {error}; using {cpu_kernel_isa()}", RuntimeWarning, stacklevel=2)
+
+
+_apply_isa_environment()
+
+
+# ------------------------------------------------------------ validation
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_linear_args(
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+    block_size,
+    activation: str,
+    activation_dtype: torch.dtype,
+) -> None:
+    """Full validation of ``scaled_linear_cpu`` arguments; raises ValueError naming the sizes."""
+    n, k = out_features, in_features
+    if not isinstance(n, int) or not isinstance(k, int) or n < 1 or k < 1:
+        raise ValueError(f"out_features and in_features must be positive ints, got {n!r} and {k!r}")
+    tensors = {"x": x, "packed_weight": packed_weight, "weight_scale": weight_scale}
+    if bias is not None:
+        tensors["bias"] = bias
+    if input_scale is not None:
+        tensors["input_scale"] = input_scale
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU for the CPU kernel, got {_describe(t)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got {_describe(t)} with strides {t.stride()}")
+    if x.dtype not in formats.FLOAT_DTYPES:
+        raise ValueError(f"x must be float32, bfloat16 or float16, got {_describe(x)}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x has {_describe(x)} but the layer has in_features={k} (out_features={n})")
+    if packed_weight.dtype not in formats.FP8_DTYPES.values():
+        raise ValueError(f"packed_weight must be an FP8 tensor, got {_describe(packed_weight)}")
+    expected = packed_shape(n, k)
+    if tuple(packed_weight.shape) != expected:
+        raise ValueError(
+            f"packed_weight has {_describe(packed_weight)}, expected shape {expected} for out_features={n}, "
+            f"in_features={k}; pack the [N, K] weight with torch.ops.qfp8.pack_weight_cpu"
+        )
+    if weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be float32, got {_describe(weight_scale)}")
+    block_size = list(block_size)
+    if block_size:
+        if len(block_size) != 2 or not all(isinstance(b, int) and b > 0 for b in block_size):
+            raise ValueError(f"block_size must be [bn, bk] of positive ints or [], got {block_size}")
+        expected_scale = formats.block_scale_shape((n, k), tuple(block_size))
+        if tuple(weight_scale.shape) != expected_scale:
+            raise ValueError(
+                f"block weight_scale has {_describe(weight_scale)}, expected {expected_scale} for "
+                f"out_features={n}, in_features={k}, block_size={block_size}"
+            )
+    elif weight_scale.numel() != 1 and tuple(weight_scale.shape) != (n, 1):
+        raise ValueError(f"weight_scale has {_describe(weight_scale)}, expected [1] or [{n}, 1] (out_features={n})")
+    if bias is not None:
+        if bias.dtype not in formats.FLOAT_DTYPES:
+            raise ValueError(f"bias must be float32, bfloat16 or float16, got {_describe(bias)}")
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"bias has {_describe(bias)}, expected [{n}] (out_features={n})")
+    if activation not in ACTIVATION_MODES:
+        raise ValueError(f"unknown activation mode {activation!r}; expected one of {ACTIVATION_MODES}")
+    if activation != "none" and activation_dtype not in formats.FP8_DTYPES.values():
+        raise ValueError(f"activation_dtype must be an FP8 dtype for activation={activation!r}, got {activation_dtype}")
+    if activation == "static":
+        if input_scale is None or input_scale.numel() != 1 or input_scale.dtype != torch.float32:
+            got = "None" if input_scale is None else _describe(input_scale)
+            raise ValueError(f"activation='static' needs a float32 input_scale of shape [1], got {got}")
+
+
+def scaled_linear_cpu(
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+    out_features: int,
+    in_features: int,
+    block_size=(),
+    activation: str = "none",
+    activation_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> torch.Tensor:
+    """Validates with :func:`check_linear_args`, then runs ``torch.ops.qfp8.scaled_linear_cpu``."""
+    args = (x, packed_weight, weight_scale, bias, input_scale, out_features, in_features, list(block_size))
+    check_linear_args(*args, activation, activation_dtype)
+    return torch.ops.qfp8.scaled_linear_cpu(*args, activation, activation_dtype)
+
+
+# --------------------------------------------------------------- routing
+
+
+def _supports(request: KernelRequest) -> str | None:
+    if request.device.type != "cpu":
+        return f"device {request.device} is not the CPU"
+    if request.weight_dtype not in formats.FP8_DTYPES.values():
+        return f"weight dtype {request.weight_dtype} is not FP8"
+    if request.activation not in ACTIVATION_MODES:
+        return f"activation mode {request.activation!r} is not supported"
+    if request.granularity == "block" and len(request.block_size) != 2:
+        return f"block scales need block_size [bn, bk], got {request.block_size}"
+    return None
+
+
+if _EXTENSION is not None:
+    register_kernel(
+        "cpu",
+        LinearKernel(
+            name=f"cpu-{cpu_kernel_isa()}",
+            op=torch.ops.qfp8.scaled_linear_cpu,
+            pack=torch.ops.qfp8.pack_weight_cpu,
+            unpack=torch.ops.qfp8.unpack_weight_cpu,
+            extra_args=lambda r: (r.out_features, r.in_features, list(r.block_size), r.activation, r.activation_dtype),
+            supports=_supports,
+        ),
+        priority=10,
+    )

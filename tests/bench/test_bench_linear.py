@@ -1,0 +1,37 @@
+"""bench/linear.py --quick runs and writes every column (so the benchmark cannot rot)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_linear_quick_writes_every_column(tmp_path):
+    from qfp8.library import cpu
+
+    if cpu.cpu_kernel_isa() is None:
+        pytest.skip("the qfp8 CPU extension is not built")
+    out = tmp_path / "linear.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "linear.py"), "--quick", "--json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    columns = ["bf16", "fp32", "qfp8_w8a16", "qfp8_w8a8", "dequant_bf16", "scaled_mm", "int8pack_mm"]
+    assert data["columns"] == columns
+    assert data["rows"], "no rows measured"
+    for row in data["rows"]:
+        for column in columns:
+            assert row[f"{column}_ms"] > 0 and row[f"{column}_vs_bf16"] > 0, (row, column)
+        if row["M"] == 1:
+            assert row["w8a16_gbps"] > 0 and row["stream_gbps"] > 0

@@ -1,0 +1,318 @@
+"""The CPU kernels (qfp8/ext/cpu) against float64 math and the reference op, on every ISA this CPU runs."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qfp8 import formats
+from qfp8.library import cpu
+from qfp8.library.testing import opcheck
+
+pytestmark = pytest.mark.skipif(cpu.cpu_kernel_isa() is None, reason="the qfp8 CPU extension is not built")
+
+FP8_IDS = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2", torch.float8_e4m3fnuz: "e4m3fnuz"}
+X_IDS = {torch.float32: "x-f32", torch.bfloat16: "x-bf16", torch.float16: "x-f16"}
+GRANULARITIES = {"tensor": (), "channel": (), "block": (16, 7)}
+# Relative error of the output (max |y - ref| / max |ref|): bf16 and fp16
+# outputs are rounded once at the end; float32 outputs only by the sum order.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+SHAPES = [(1, 1, 1), (1, 7, 17), (3, 17, 7), (2, 33, 577), (7, 577, 33), (13, 64, 300)]  # (M, N, K)
+
+
+def _isa_param(isa):
+    usable = cpu.usable_isas()
+    reason = f"this CPU or build does not run the {isa} kernel (usable here: {usable})"
+    return pytest.param(isa, id=isa, marks=pytest.mark.skipif(isa not in usable, reason=reason))
+
+
+ISA_PARAMS = [_isa_param(isa) for isa in cpu.ISAS]
+
+
+@pytest.fixture(params=ISA_PARAMS)
+def isa(request):
+    with cpu.cpu_kernel_isa_forced(request.param):
+        yield request.param
+
+
+def random_weight(n, k, dtype, granularity, block_size=(16, 7)):
+    """Random quantized weight; no zero codes (every lane carries signal)."""
+    w = torch.randn(n, k) * torch.rand(n, 1).add(0.1)
+    w = torch.where(w.abs() < 1e-3, torch.full_like(w, 0.5), w)
+    return formats.quantize_weight(w, dtype, granularity, block_size)
+
+
+def float64_reference(x_values, q, w_scale, bias, block_size):
+    """y = x_values @ (q * scale)^T + bias, all in float64 (x_values already dequantized)."""
+    n, k = q.shape
+    w = formats.fp8_to_float(q).double()
+    if block_size:
+        bn, bk = block_size
+        w = w * w_scale.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    else:
+        w = w * w_scale.double().reshape(-1, 1)
+    y = x_values.double().reshape(-1, k) @ w.t()
+    if bias is not None:
+        y = y + bias.double()
+    return y
+
+
+def run_kernel(x, q, w_scale, bias, block_size=(), activation="none", input_scale=None):
+    n, k = q.shape
+    packed = torch.ops.qfp8.pack_weight_cpu(q)
+    return cpu.scaled_linear_cpu(
+        x, packed, w_scale, bias, input_scale, n, k, list(block_size), activation, formats.activation_dtype_for(q.dtype)
+    )
+
+
+def rel_error(y, ref):
+    y = y.double().reshape(ref.shape)
+    return ((y - ref).abs().max() / ref.abs().max().clamp(min=1e-300)).item()
+
+
+@pytest.mark.parametrize("x_dtype", list(X_IDS), ids=list(X_IDS.values()))
+@pytest.mark.parametrize("granularity", list(GRANULARITIES), ids=[f"w-{g}" for g in GRANULARITIES])
+@pytest.mark.parametrize("w_dtype", list(FP8_IDS), ids=list(FP8_IDS.values()))
+def test_w8a16_matches_float64(isa, w_dtype, granularity, x_dtype):
+    block_size = GRANULARITIES[granularity]
+    for m, n, k in SHAPES:
+        q, scale = random_weight(n, k, w_dtype, granularity)
+        x = torch.randn(m, k).add(0.05).to(x_dtype)
+        bias = torch.randn(n).to(x_dtype)
+        y = run_kernel(x, q, scale, bias, block_size)
+        assert y.dtype == x_dtype and y.shape == (m, n)
+        ref = float64_reference(x, q, scale, bias, block_size)
+        err = rel_error(y, ref)
+        assert err <= TOLERANCE[x_dtype], f"{isa} M={m} N={n} K={k}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("x_dtype", list(X_IDS), ids=list(X_IDS.values()))
+@pytest.mark.parametrize("activation", ["token", "tensor", "group", "static"], ids=lambda a: f"a-{a}")
+@pytest.mark.parametrize("w_dtype", list(FP8_IDS), ids=list(FP8_IDS.values()))
+def test_w8a8_matches_reference_op(isa, w_dtype, activation, x_dtype):
+    act_dtype = formats.activation_dtype_for(w_dtype)
+    for m, n, k in [(1, 7, 17), (5, 40, 300), (9, 33, 577)]:
+        q, scale = random_weight(n, k, w_dtype, "channel")
+        x = torch.randn(m, k).to(x_dtype)
+        bias = torch.randn(n, dtype=torch.float32)
+        input_scale = torch.tensor([0.01], dtype=torch.float32) if activation == "static" else None
+        y = run_kernel(x, q, scale, bias, (), activation, input_scale)
+        reference = torch.ops.qfp8.scaled_linear(x, q, scale, bias, input_scale, [], activation, act_dtype)
+        # Same quantized activations as formats.quantize_activation, in float64.
+        granularity = "tensor" if activation == "static" else activation
+        xq, xs = formats.quantize_activation(x.reshape(m, k), act_dtype, granularity, scale=input_scale)
+        x_values = formats.fp8_to_float(xq).double()
+        xs = xs.double()
+        x_values = x_values * (formats.expand_group_scale(xs, k) if activation == "group" else xs)
+        ref64 = float64_reference(x_values, q, scale, bias, ())
+        assert rel_error(y, ref64) <= TOLERANCE[x_dtype], f"{isa} M={m} N={n} K={k}"
+        assert rel_error(y, reference.double()) <= 2 * TOLERANCE[x_dtype], f"{isa} M={m} N={n} K={k}"
+
+
+def test_nonfinite_activation_spoils_only_its_row(isa):
+    q, scale = random_weight(40, 300, torch.float8_e4m3fn, "channel")
+    x = torch.randn(4, 300)
+    x[2, 5] = float("inf")
+    y = run_kernel(x, q, scale, None, (), "token")
+    assert torch.isnan(y[2]).all()
+    assert torch.isfinite(y[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"], ids=lambda g: f"w-{g}")
+@pytest.mark.parametrize("m", [1, 3, 16], ids=lambda m: f"M{m}")
+def test_identical_across_thread_counts(isa, m, granularity):
+    block = (128, 128) if granularity == "block" else ()
+    q, scale = random_weight(1000, 2048, torch.float8_e4m3fn, granularity, block or None)
+    x = torch.randn(m, 2048, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(run_kernel(x, q, scale, None, block))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert torch.equal(results[0].view(torch.int16), other.view(torch.int16))
+
+
+@pytest.mark.parametrize("w_dtype", list(FP8_IDS), ids=list(FP8_IDS.values()))
+def test_every_fp8_code_subnormals_and_max(isa, w_dtype):
+    """Each finite FP8 code (subnormals, the largest values) as a weight, exactly."""
+    codes = torch.arange(256, dtype=torch.uint8).view(w_dtype)
+    finite = torch.isfinite(formats.fp8_to_float(codes))
+    codes = codes[finite]
+    n = codes.numel()
+    q = torch.zeros(n, 9, dtype=torch.uint8).view(w_dtype)
+    q[:, 4] = codes  # one nonzero code per channel, at an even and an odd k
+    q[:, 7] = codes
+    x = torch.zeros(2, 9)
+    x[:, 4] = 1.0
+    x[:, 7] = 0.5
+    scale = torch.ones(1)
+    y = run_kernel(x, q, scale, None)
+    expected = formats.fp8_to_float(codes).double() * 1.5
+    assert torch.equal(y[0].double(), expected) and torch.equal(y[1].double(), expected)
+    assert y.abs().max().item() == formats.fp8_max(w_dtype) * 1.5
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4], ids=lambda m: f"M{m}")
+def test_subnormal_weights_exact_with_flush_denormal_set(isa, m):
+    """torch.set_flush_denormal(True) sets MXCSR.DAZ; the kernel must still read FP8 subnormals."""
+    codes = torch.arange(1, 8, dtype=torch.uint8).view(torch.float8_e4m3fn)  # the 7 positive subnormals
+    q = torch.zeros(7, 4, dtype=torch.float8_e4m3fn)
+    q[:, 1] = codes
+    x = torch.zeros(m, 4)
+    x[:, 1] = 3.0
+    expected = formats.fp8_to_float(codes).double() * 3.0
+    try:
+        assert torch.set_flush_denormal(True)
+        y = run_kernel(x, q, torch.ones(7, 1), None)
+    finally:
+        torch.set_flush_denormal(False)
+    for row in range(m):
+        assert torch.equal(y[row].double(), expected)
+
+
+@pytest.mark.parametrize("w_scale", [1e-10, 1e-3, 1e6], ids=lambda s: f"scale{s:g}")
+@pytest.mark.parametrize("x_scale", [1e-6, 1.0], ids=lambda s: f"x{s:g}")
+def test_tiny_and_huge_scales_tiny_activations(isa, w_scale, x_scale):
+    for m in (1, 2, 3, 4, 5):
+        q, _ = random_weight(70, 301, torch.float8_e4m3fn, "channel")
+        scale = torch.full((70, 1), w_scale) * torch.rand(70, 1).add(0.5)
+        block_scale = torch.full((5, 43), w_scale) * torch.rand(5, 43).add(0.5)
+        x = torch.randn(m, 301) * x_scale
+        for s, block in ((scale, ()), (block_scale, (16, 7))):
+            y = run_kernel(x, q, s, None, block)
+            ref = float64_reference(x, q, s, None, block)
+            assert rel_error(y, ref) <= TOLERANCE[torch.float32], f"M={m} block={block}"
+
+
+@pytest.mark.parametrize("x_dtype", list(X_IDS), ids=list(X_IDS.values()))
+@pytest.mark.parametrize("m", [1, 9], ids=lambda m: f"M{m}")
+def test_output_fully_written(isa, x_dtype, m):
+    q, scale = random_weight(77, 65, torch.float8_e5m2, "channel")
+    x = torch.randn(m, 65).to(x_dtype)
+    out = torch.full((m, 77), float("nan"), dtype=x_dtype)
+    packed = torch.ops.qfp8.pack_weight_cpu(q)
+    torch.ops.qfp8._scaled_linear_cpu_into(out, x, packed, scale, None, None, 77, 65, [], "none", torch.float8_e4m3fn)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, run_kernel(x, q, scale, None))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 17), (33, 64), (577, 31)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("w_dtype", list(FP8_IDS), ids=list(FP8_IDS.values()))
+def test_pack_unpack_bitwise(w_dtype, shape):
+    bits = torch.randint(0, 256, shape, dtype=torch.uint8)
+    q = bits.view(w_dtype)
+    packed = torch.ops.qfp8.pack_weight_cpu(q)
+    assert packed.dtype == w_dtype and tuple(packed.shape) == cpu.packed_shape(*shape)
+    back = torch.ops.qfp8.unpack_weight_cpu(packed, *shape)
+    assert back.dtype == w_dtype and torch.equal(back.view(torch.uint8), bits)
+
+
+def test_opcheck():
+    q, scale = random_weight(40, 33, torch.float8_e4m3fn, "channel")
+    packed = torch.ops.qfp8.pack_weight_cpu(q)
+    # qfp8.library.testing.opcheck: torch's schema test cannot compare FP8 tensors.
+    opcheck(torch.ops.qfp8.pack_weight_cpu, (q,))
+    opcheck(torch.ops.qfp8.unpack_weight_cpu, (packed, 40, 33))
+    x = torch.randn(2, 3, 33, dtype=torch.bfloat16)
+    bias = torch.randn(40, dtype=torch.bfloat16)
+    for activation, input_scale in (("none", None), ("token", None), ("static", torch.tensor([0.02]))):
+        args = (x, packed, scale, bias, input_scale, 40, 33, [], activation, torch.float8_e4m3fn)
+        opcheck(torch.ops.qfp8.scaled_linear_cpu, args)
+
+
+def test_compiles_fullgraph():
+    q, scale = random_weight(48, 64, torch.float8_e4m3fn, "channel")
+    packed = torch.ops.qfp8.pack_weight_cpu(q)
+
+    def layer(x):
+        y = torch.ops.qfp8.scaled_linear_cpu(x, packed, scale, None, None, 48, 64, [], "none", torch.float8_e4m3fn)
+        return torch.relu(y)
+
+    x = torch.randn(3, 64)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), layer(x))
+
+
+def _valid_args():
+    q, scale = random_weight(40, 33, torch.float8_e4m3fn, "channel")
+    packed = torch.ops.qfp8.pack_weight_cpu(q)
+    return dict(
+        x=torch.randn(2, 33),
+        packed_weight=packed,
+        weight_scale=scale,
+        bias=None,
+        input_scale=None,
+        out_features=40,
+        in_features=33,
+        block_size=[],
+        activation="none",
+        activation_dtype=torch.float8_e4m3fn,
+    )
+
+
+BAD_INPUTS = {
+    "mismatched-K": (dict(x=torch.randn(2, 34)), "34"),
+    "x-int": (dict(x=torch.ones(2, 33, dtype=torch.int32)), "torch.int32"),
+    "x-noncontiguous": (dict(x=torch.randn(33, 2).t()), "(2, 33)"),
+    "x-meta": (dict(x=torch.randn(2, 33, device="meta")), "meta"),
+    "weight-not-fp8": (dict(packed_weight=torch.zeros(2, 17, 64)), "torch.float32"),
+    "weight-wrong-shape": (dict(packed_weight=torch.zeros(1, 17, 64, dtype=torch.float8_e4m3fn)), "(1, 17, 64)"),
+    "scale-wrong-shape": (dict(weight_scale=torch.ones(39, 1)), "(39, 1)"),
+    "scale-float64": (dict(weight_scale=torch.ones(40, 1, dtype=torch.float64)), "torch.float64"),
+    "bias-wrong-shape": (dict(bias=torch.ones(41)), "(41,)"),
+    "block-wrong-shape": (dict(block_size=[16, 16], weight_scale=torch.ones(3, 2)), "(3, 2)"),
+    "static-no-scale": (dict(activation="static"), "input_scale"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_bad_input_raises_value_error_with_sizes(case):
+    changes, expected_text = BAD_INPUTS[case]
+    args = _valid_args() | changes
+    with pytest.raises(ValueError, match=None) as error:
+        cpu.scaled_linear_cpu(**args)
+    assert expected_text in str(error.value)
+
+
+def test_kernel_checks_name_sizes():
+    args = _valid_args() | dict(x=torch.randn(2, 34))
+    with pytest.raises(RuntimeError, match="in_features is 33"):
+        torch.ops.qfp8.scaled_linear_cpu(*args.values())
+
+
+def test_routing_registers_the_cpu_kernel():
+    from qfp8.library.routing import KernelRequest, select_kernel
+
+    request = KernelRequest(
+        torch.device("cpu"), torch.float8_e4m3fn, "channel", (), "none", torch.float8_e4m3fn, 64, 32
+    )
+    kernel, _ = select_kernel(request)
+    assert kernel.name.startswith("cpu-") and kernel.op is torch.ops.qfp8.scaled_linear_cpu
+
+
+@pytest.mark.parametrize("requested", ["scalar", "avx512bf16"], ids=lambda r: f"env-{r}")
+def test_isa_environment_variable(requested):
+    code = "import warnings; warnings.simplefilter('always'); from qfp8.library import cpu; print(cpu.cpu_kernel_isa())"
+    env = dict(os.environ, QFP8_CPU_ISA=requested)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    chosen = result.stdout.strip().splitlines()[-1]
+    if requested in cpu.usable_isas():
+        assert chosen == requested
+    else:
+        assert chosen == cpu.usable_isas()[0] and "QFP8_CPU_ISA=" in result.stderr
+
+
+def test_set_unsupported_isa_raises():
+    with pytest.raises(ValueError, match="unknown CPU kernel ISA"):
+        cpu.set_cpu_kernel_isa("sse9")
+    missing = [isa for isa in cpu.ISAS if isa not in cpu.usable_isas()]
+    if missing:
+        with pytest.raises(ValueError, match=missing[0]):
+            cpu.set_cpu_kernel_isa(missing[0])
