@@ -15,11 +15,12 @@ pytestmark = pytest.mark.skipif(cpu.cpu_kernel_isa() is None, reason="the qfp8 C
 
 FP8_IDS = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2", torch.float8_e4m3fnuz: "e4m3fnuz"}
 X_IDS = {torch.float32: "x-f32", torch.bfloat16: "x-bf16", torch.float16: "x-f16"}
-GRANULARITIES = {"tensor": (), "channel": (), "block": (16, 7)}
+# block-odd splits k pairs (the fp16 route); block-even keeps them whole (the float32 route at M <= 4).
+GRANULARITIES = {"tensor": (), "channel": (), "block-odd": (16, 7), "block-even": (48, 10)}
 # Relative error of the output (max |y - ref| / max |ref|): bf16 and fp16
 # outputs are rounded once at the end; float32 outputs only by the sum order.
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-SHAPES = [(1, 1, 1), (1, 7, 17), (3, 17, 7), (2, 33, 577), (7, 577, 33), (13, 64, 300)]  # (M, N, K)
+SHAPES = [(1, 1, 1), (1, 7, 17), (3, 17, 7), (2, 33, 577), (4, 40, 130), (7, 577, 33), (13, 64, 300)]  # (M, N, K)
 
 
 def _isa_param(isa):
@@ -78,7 +79,7 @@ def rel_error(y, ref):
 def test_w8a16_matches_float64(isa, w_dtype, granularity, x_dtype):
     block_size = GRANULARITIES[granularity]
     for m, n, k in SHAPES:
-        q, scale = random_weight(n, k, w_dtype, granularity)
+        q, scale = random_weight(n, k, w_dtype, granularity.split("-")[0], block_size or None)
         x = torch.randn(m, k).add(0.05).to(x_dtype)
         bias = torch.randn(n).to(x_dtype)
         y = run_kernel(x, q, scale, bias, block_size)
@@ -184,7 +185,8 @@ def test_tiny_and_huge_scales_tiny_activations(isa, w_scale, x_scale):
         scale = torch.full((70, 1), w_scale) * torch.rand(70, 1).add(0.5)
         block_scale = torch.full((5, 43), w_scale) * torch.rand(5, 43).add(0.5)
         x = torch.randn(m, 301) * x_scale
-        for s, block in ((scale, ()), (block_scale, (16, 7))):
+        even_block_scale = torch.full((2, 31), w_scale) * torch.rand(2, 31).add(0.5)
+        for s, block in ((scale, ()), (block_scale, (16, 7)), (even_block_scale, (64, 10))):
             y = run_kernel(x, q, s, None, block)
             ref = float64_reference(x, q, s, None, block)
             assert rel_error(y, ref) <= TOLERANCE[torch.float32], f"M={m} block={block}"

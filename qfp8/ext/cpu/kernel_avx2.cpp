@@ -109,38 +109,88 @@ struct Pow2 {
   float apply(float v) const { return v * first * second; }
 };
 
-// The float32 route of the M == 1 loop (see the file comment). xs is the
-// pre-scaled activation; the sums come out in units of 2^(E - 112) of the
-// fp16 route's sums and are rescaled by the caller.
-template <int Format>
-void tile_single_row_f32(const LinearProblem& p, int64_t t, const float* xs, float* sums) {
-  const uint8_t* g = p.w + t * (p.Kp / 2) * kGroupBytes;
-  const int64_t pairs = p.Kp / 2;
-  // Byte 2c + j of a 16-byte chunk is channel c at k = 2p + j: lane c of the
-  // even (odd) vector takes byte 2c (2c + 1), channels 0-3 in the low
-  // 128-bit half, 4-7 in the high half (vpshufb stays within a half).
-  const __m256i pick_even = _mm256_setr_epi8(-1, -1, -1, 0, -1, -1, -1, 2, -1, -1, -1, 4, -1, -1, -1, 6,  //
-                                             -1, -1, -1, 8, -1, -1, -1, 10, -1, -1, -1, 12, -1, -1, -1, 14);
-  const __m256i pick_odd = _mm256_setr_epi8(-1, -1, -1, 1, -1, -1, -1, 3, -1, -1, -1, 5, -1, -1, -1, 7,  //
-                                            -1, -1, -1, 9, -1, -1, -1, 11, -1, -1, -1, 13, -1, -1, -1, 15);
-  constexpr int kShift = Format == kE5M2 ? 3 : 4;
-  const __m256i keep = _mm256_set1_epi32(static_cast<int>(Format == kE5M2 ? 0x8FE00000u : 0x87F00000u));
-  __m256 acc_even[4], acc_odd[4];
-  for (int j = 0; j < 4; ++j) acc_even[j] = acc_odd[j] = _mm256_setzero_ps();
-  for (int64_t pair = 0; pair < pairs; ++pair, g += kGroupBytes) {
-    const __m256 x0 = _mm256_broadcast_ss(xs + 2 * pair);
-    const __m256 x1 = _mm256_broadcast_ss(xs + 2 * pair + 1);
-    for (int j = 0; j < 4; ++j) {
-      const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16 * j)));
-      const __m256 e =
-          _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_shuffle_epi8(bytes, pick_even), kShift), keep));
-      const __m256 o =
-          _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_shuffle_epi8(bytes, pick_odd), kShift), keep));
-      acc_even[j] = _mm256_fmadd_ps(e, x0, acc_even[j]);
-      acc_odd[j] = _mm256_fmadd_ps(o, x1, acc_odd[j]);
+// Byte 2c + j of a 16-byte chunk is channel c at k = 2p + j: lane c of the
+// even (odd) vector takes byte 2c (2c + 1), channels 0-3 in the low 128-bit
+// half, 4-7 in the high half (vpshufb stays within a half); the byte lands
+// in the top byte of its 32-bit lane.
+struct Float32Route {
+  __m256i pick_even, pick_odd, keep;
+  template <int Format>
+  static Float32Route make() {
+    return {_mm256_setr_epi8(-1, -1, -1, 0, -1, -1, -1, 2, -1, -1, -1, 4, -1, -1, -1, 6,  //
+                             -1, -1, -1, 8, -1, -1, -1, 10, -1, -1, -1, 12, -1, -1, -1, 14),
+            _mm256_setr_epi8(-1, -1, -1, 1, -1, -1, -1, 3, -1, -1, -1, 5, -1, -1, -1, 7,  //
+                             -1, -1, -1, 9, -1, -1, -1, 11, -1, -1, -1, 13, -1, -1, -1, 15),
+            _mm256_set1_epi32(static_cast<int>(Format == kE5M2 ? 0x8FE00000u : 0x87F00000u))};
+  }
+  // 8 channels at k = 2p (even) and k = 2p + 1 (odd) from one 16-byte chunk.
+  template <int Format>
+  inline void convert(const uint8_t* chunk, __m256& even, __m256& odd) const {
+    constexpr int kShift = Format == kE5M2 ? 3 : 4;
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
+    even = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_shuffle_epi8(bytes, pick_even), kShift), keep));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_shuffle_epi8(bytes, pick_odd), kShift), keep));
+  }
+};
+
+// Block scales on the float32 route: the sums of each k block are finished
+// in registers and multiplied by that block's 32 lane scales (the scale
+// times the format factor) as they are added to the tile's totals, so the
+// inner loop stays the same as for channel scales. Needs bk even (a block
+// boundary never splits a k pair); the scale row of each lane is computed
+// once per tile, so a block costs 32 loads, not 32 divisions.
+struct BlockLanes {
+  int64_t row_offset[kTileN];
+  int64_t pairs_per_block;  // bk / 2; the whole K for tensor and channel scales
+  BlockLanes(const LinearProblem& p, int64_t t) {
+    pairs_per_block = p.scale_kind == kScaleBlock ? p.bk / 2 : p.Kp / 2;
+    if (p.scale_kind != kScaleBlock) return;
+    for (int64_t c = 0; c < kTileN; ++c) {
+      const int64_t n = std::min(t * kTileN + c, p.N - 1);  // padded channels hold zero weights
+      row_offset[c] = (n / p.bn) * p.scale_cols;
     }
   }
-  for (int j = 0; j < 4; ++j) _mm256_storeu_ps(sums + 8 * j, _mm256_add_ps(acc_even[j], acc_odd[j]));
+  inline void fill(const LinearProblem& p, int64_t block, float* lanes) const {
+    for (int64_t c = 0; c < kTileN; ++c) lanes[c] = p.scale[row_offset[c] + block] * p.format_factor;
+  }
+};
+
+// M == 1 on the float32 route (see the file comment). xs is the pre-scaled
+// activation; the sums come out in units of 2^(E - 112) of the fp16 route's
+// sums (times the lane scales for block scales) and are rescaled by the caller.
+template <int Format>
+void tile_single_row_f32(const LinearProblem& p, int64_t t, const float* xs, float* sums) {
+  const Float32Route route = Float32Route::make<Format>();
+  const BlockLanes blocks(p, t);
+  const bool block_scales = p.scale_kind == kScaleBlock;
+  const uint8_t* g = p.w + t * (p.Kp / 2) * kGroupBytes;
+  const int64_t pairs = p.Kp / 2;
+  __m256 total[4];
+  for (auto& v : total) v = _mm256_setzero_ps();
+  alignas(32) float lanes[kTileN];
+  for (int64_t pair0 = 0, block = 0; pair0 < pairs; pair0 += blocks.pairs_per_block, ++block) {
+    const int64_t pair1 = std::min(pairs, pair0 + blocks.pairs_per_block);
+    __m256 acc_even[4], acc_odd[4];
+    for (int j = 0; j < 4; ++j) acc_even[j] = acc_odd[j] = _mm256_setzero_ps();
+    for (int64_t pair = pair0; pair < pair1; ++pair, g += kGroupBytes) {
+      const __m256 x0 = _mm256_broadcast_ss(xs + 2 * pair);
+      const __m256 x1 = _mm256_broadcast_ss(xs + 2 * pair + 1);
+      for (int j = 0; j < 4; ++j) {
+        __m256 e, o;
+        route.convert<Format>(g + 16 * j, e, o);
+        acc_even[j] = _mm256_fmadd_ps(e, x0, acc_even[j]);
+        acc_odd[j] = _mm256_fmadd_ps(o, x1, acc_odd[j]);
+      }
+    }
+    if (block_scales) {
+      blocks.fill(p, block, lanes);
+      for (int j = 0; j < 4; ++j)
+        total[j] = _mm256_fmadd_ps(_mm256_add_ps(acc_even[j], acc_odd[j]), _mm256_load_ps(lanes + 8 * j), total[j]);
+    } else {
+      for (int j = 0; j < 4; ++j) total[j] = _mm256_add_ps(acc_even[j], acc_odd[j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) _mm256_storeu_ps(sums + 8 * j, total[j]);
 }
 
 // 2 <= M <= 4 (small batches, speculative decoding): the float32 route with
@@ -149,41 +199,43 @@ void tile_single_row_f32(const LinearProblem& p, int64_t t, const float* xs, flo
 // at this M. Chunks 16-byte chunks (8 channels each) per pass keep the
 // accumulators (Rows x Chunks, both k parities in one) within the 16 ymm
 // registers; a tile takes 4 / Chunks passes over its bytes (L2-resident).
+// Block totals are kept in `sums` (touched once per block).
 template <int Format, int Rows, int Chunks>
 void tile_small_rows_f32(const LinearProblem& p, int64_t t, const float* const* xs, float (*sums)[kTileN]) {
+  const Float32Route route = Float32Route::make<Format>();
+  const BlockLanes blocks(p, t);
+  const bool block_scales = p.scale_kind == kScaleBlock;
   const int64_t pairs = p.Kp / 2;
-  const __m256i pick_even = _mm256_setr_epi8(-1, -1, -1, 0, -1, -1, -1, 2, -1, -1, -1, 4, -1, -1, -1, 6,  //
-                                             -1, -1, -1, 8, -1, -1, -1, 10, -1, -1, -1, 12, -1, -1, -1, 14);
-  const __m256i pick_odd = _mm256_setr_epi8(-1, -1, -1, 1, -1, -1, -1, 3, -1, -1, -1, 5, -1, -1, -1, 7,  //
-                                            -1, -1, -1, 9, -1, -1, -1, 11, -1, -1, -1, 13, -1, -1, -1, 15);
-  constexpr int kShift = Format == kE5M2 ? 3 : 4;
-  const __m256i keep = _mm256_set1_epi32(static_cast<int>(Format == kE5M2 ? 0x8FE00000u : 0x87F00000u));
+  alignas(32) float lanes[kTileN];
+  for (int r = 0; r < Rows; ++r) std::fill(sums[r], sums[r] + kTileN, 0.0f);
   for (int j0 = 0; j0 < 4; j0 += Chunks) {
     const uint8_t* g = p.w + t * pairs * kGroupBytes + 16 * j0;
-    __m256 acc[Rows][Chunks];
-    for (int r = 0; r < Rows; ++r)
-      for (int j = 0; j < Chunks; ++j) acc[r][j] = _mm256_setzero_ps();
-    for (int64_t pair = 0; pair < pairs; ++pair, g += kGroupBytes) {
-      __m256 even[Chunks], odd[Chunks];
-      for (int j = 0; j < Chunks; ++j) {
-        const __m256i bytes =
-            _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16 * j)));
-        even[j] = _mm256_castsi256_ps(
-            _mm256_and_si256(_mm256_srai_epi32(_mm256_shuffle_epi8(bytes, pick_even), kShift), keep));
-        odd[j] = _mm256_castsi256_ps(
-            _mm256_and_si256(_mm256_srai_epi32(_mm256_shuffle_epi8(bytes, pick_odd), kShift), keep));
+    for (int64_t pair0 = 0, block = 0; pair0 < pairs; pair0 += blocks.pairs_per_block, ++block) {
+      const int64_t pair1 = std::min(pairs, pair0 + blocks.pairs_per_block);
+      __m256 acc[Rows][Chunks];
+      for (int r = 0; r < Rows; ++r)
+        for (int j = 0; j < Chunks; ++j) acc[r][j] = _mm256_setzero_ps();
+      for (int64_t pair = pair0; pair < pair1; ++pair, g += kGroupBytes) {
+        __m256 even[Chunks], odd[Chunks];
+        for (int j = 0; j < Chunks; ++j) route.convert<Format>(g + 16 * j, even[j], odd[j]);
+        for (int r = 0; r < Rows; ++r) {
+          const __m256 x0 = _mm256_broadcast_ss(xs[r] + 2 * pair);
+          const __m256 x1 = _mm256_broadcast_ss(xs[r] + 2 * pair + 1);
+          for (int j = 0; j < Chunks; ++j) {
+            acc[r][j] = _mm256_fmadd_ps(even[j], x0, acc[r][j]);
+            acc[r][j] = _mm256_fmadd_ps(odd[j], x1, acc[r][j]);
+          }
+        }
       }
+      if (block_scales) blocks.fill(p, block, lanes);
       for (int r = 0; r < Rows; ++r) {
-        const __m256 x0 = _mm256_broadcast_ss(xs[r] + 2 * pair);
-        const __m256 x1 = _mm256_broadcast_ss(xs[r] + 2 * pair + 1);
         for (int j = 0; j < Chunks; ++j) {
-          acc[r][j] = _mm256_fmadd_ps(even[j], x0, acc[r][j]);
-          acc[r][j] = _mm256_fmadd_ps(odd[j], x1, acc[r][j]);
+          float* total = sums[r] + 8 * (j0 + j);
+          const __m256 scaled = block_scales ? _mm256_mul_ps(acc[r][j], _mm256_load_ps(lanes + 8 * (j0 + j))) : acc[r][j];
+          _mm256_storeu_ps(total, _mm256_add_ps(_mm256_loadu_ps(total), scaled));
         }
       }
     }
-    for (int r = 0; r < Rows; ++r)
-      for (int j = 0; j < Chunks; ++j) _mm256_storeu_ps(sums[r] + 8 * (j0 + j), acc[r][j]);
   }
 }
 
@@ -203,6 +255,8 @@ inline Pow2 prescale_row(const float* x, int64_t K, float* xs) {
   return Pow2(112 - E);
 }
 
+// M <= 4 on the float32 route: tensor and channel scales go into the
+// channel multipliers at the end, block scales into the block totals.
 template <int Format, int Rows>
 void small_rows_f32(const LinearProblem& p, int64_t tile_begin, int64_t tile_end) {
   std::vector<float> storage(Rows * (p.Kp + 8), 0.0f);
@@ -216,8 +270,12 @@ void small_rows_f32(const LinearProblem& p, int64_t tile_begin, int64_t tile_end
   alignas(32) float sums[Rows][kTileN];
   float mult[kTileN];
   for (int64_t t = tile_begin; t < tile_end; ++t) {
-    fill_channel_mult(p, t, false, mult);
-    tile_small_rows_f32<Format, Rows, Rows == 2 ? 4 : 2>(p, t, xs, sums);
+    fill_channel_mult(p, t, p.scale_kind == kScaleBlock, mult);
+    if (Rows == 1) {
+      tile_single_row_f32<Format>(p, t, xs[0], sums[0]);
+    } else {
+      tile_small_rows_f32<Format, Rows, Rows == 2 ? 4 : 2>(p, t, xs, sums);
+    }
     for (int r = 0; r < Rows; ++r) {
       for (int64_t c = 0; c < kTileN; ++c) sums[r][c] = back[r].apply(sums[r][c]);
       store_tile_row(p, r, t, sums[r], mult);
@@ -306,24 +364,21 @@ template <int Format>
 void linear_tiles(const LinearProblem& p, int64_t tile_begin, int64_t tile_end) {
   alignas(32) float sums[kTileN];
   float mult[kTileN];
-  if (p.M <= 4 && p.scale_kind != kScaleBlock) {
+  if (p.M <= 4 && (p.scale_kind != kScaleBlock || p.bk % 2 == 0)) {
     const unsigned csr = _mm_getcsr();
     if (csr & 0x40u) _mm_setcsr(csr & ~0x40u);  // DAZ would flush the FP8 subnormals
-    if (p.M == 4) small_rows_f32<Format, 4>(p, tile_begin, tile_end);
-    if (p.M == 3) small_rows_f32<Format, 3>(p, tile_begin, tile_end);
-    if (p.M == 2) small_rows_f32<Format, 2>(p, tile_begin, tile_end);
-    if (p.M > 1) {
-      if (csr & 0x40u) _mm_setcsr(csr);
-      return;
-    }
-    std::vector<float> xs_storage(p.Kp + 8, 0.0f);
-    float* xs = xs_storage.data();
-    const Pow2 back = prescale_row(p.x, p.K, xs);
-    for (int64_t t = tile_begin; t < tile_end; ++t) {
-      fill_channel_mult(p, t, false, mult);
-      tile_single_row_f32<Format>(p, t, xs, sums);
-      for (int64_t c = 0; c < kTileN; ++c) sums[c] = back.apply(sums[c]);
-      store_tile_row(p, 0, t, sums, mult);
+    switch (p.M) {
+      case 1:
+        small_rows_f32<Format, 1>(p, tile_begin, tile_end);
+        break;
+      case 2:
+        small_rows_f32<Format, 2>(p, tile_begin, tile_end);
+        break;
+      case 3:
+        small_rows_f32<Format, 3>(p, tile_begin, tile_end);
+        break;
+      default:
+        small_rows_f32<Format, 4>(p, tile_begin, tile_end);
     }
     if (csr & 0x40u) _mm_setcsr(csr);
     return;
