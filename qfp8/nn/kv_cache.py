@@ -1,0 +1,477 @@
+"""FP8 KV cache for Llama-family attention in transformers' cache API.
+
+Layout
+------
+Each cache layer keeps ``keys``/``values`` as FP8 tensors ``[B, H_kv, S, D]``
+(exactly half the bytes of bf16) and reads them back as ``q.float() * scale``
+in the model's dtype. Scales are float32:
+
+- static: per-tensor ``[1]`` buffers ``k_scale``/``v_scale`` on the attention
+  module, recorded by :func:`qfp8.calibrate` (``amax / fmax``) and saved in the
+  state dict as ``<attn>.k_scale``/``<attn>.v_scale`` (vLLM/compressed-tensors);
+- dynamic (no static scale for K or V): per-head ``[B, H_kv, 1, 1]``, taken from
+  the first ``update`` of the sequence (the prefill) with ``DYNAMIC_HEADROOM``
+  so later tokens fit; anything beyond still saturates, never overflows.
+
+Optional key centering (``center_keys=True``): the first update's per-channel
+mean of K (``[B, H_kv, 1, D]``) is subtracted before quantizing and never added
+back. ``q . (k - mu) = q . k - q . mu`` shifts every score of a query by the same
+constant, which softmax ignores, so attention stays exact while the FP8 rounding
+error shrinks with ``|k - mu|`` instead of ``|k|``.
+
+How it plugs in
+---------------
+:func:`enable_fp8_kv_cache` gives every attention module (``layer_idx``,
+``k_proj``, ``v_proj``) the scale buffers, calibration methods and a forward
+pre-hook. The hook swaps the module's ``DynamicLayer``/``StaticLayer`` in
+whatever ``Cache`` it is called with for :class:`Float8DynamicLayer` /
+:class:`Float8StaticLayer`; the module's own forward, RoPE and attention
+implementation (eager, SDPA) are untouched.
+
+What is dequantized per step
+----------------------------
+SDPA (and every attention implementation of transformers) takes K and V in the
+query's float dtype, on CPU as elsewhere; there is no FP8 SDPA. So each layer
+hands attention a transient float copy of *its own* K/V, which is freed when
+the layer's attention returns: the extra memory at any time is one layer's K/V
+in the model dtype, never a full-precision copy of the whole cache.
+
+- Dynamic cache: the stored tokens, all of which attention reads.
+- Static cache, eager: only the filled prefix ``[0, seq_len)``; the rest of the
+  returned buffer is zeros, which the causal mask hides.
+- Static cache, compiled: shapes must not depend on the fill level, so the
+  whole ``max_cache_len`` buffer is dequantized; inductor fuses it into one
+  pass (read 1 byte, write 2) per tensor. Keep ``max_cache_len`` tight.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicLayer, StaticLayer
+
+from qfp8 import formats
+
+KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+DYNAMIC_HEADROOM = 2.0
+
+
+# ----------------------------------------------------------------- numerics
+
+
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    a = x.detach().abs().to(torch.float32)
+    return torch.where(torch.isfinite(a), a, 0.0)
+
+
+def per_head_scale(x: torch.Tensor, dtype: torch.dtype, headroom: float = DYNAMIC_HEADROOM) -> torch.Tensor:
+    """Dynamic scale of a ``[B, H, S, D]`` state: ``headroom * amax / fmax`` per (batch row, head), ``[B, H, 1, 1]``."""
+    amax = _finite_abs(x).amax(dim=(-2, -1), keepdim=True)
+    return formats.scale_from_amax(amax * headroom, dtype)
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Saturating FP8 cast of a ``[B, H, S, D]`` state; ``scale`` is ``[1]`` or ``[B, H, 1, 1]``."""
+    return formats.quantize_with_scale(x, scale, dtype)
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q.float() * scale`` rounded once to ``dtype``."""
+    return (q.to(torch.float32) * scale).to(dtype)
+
+
+# ------------------------------------------------------------ cache layers
+
+
+class _Float8LayerMixin:
+    """Shared by the dynamic and the static FP8 layer: scales, centering, quantize and read."""
+
+    def _setup(self, attention: nn.Module) -> None:
+        self.attention = attention
+        self.fp8_dtype = attention.qfp8_kv_dtype
+        self.center_keys = attention.qfp8_center_keys
+        self.key_scale: torch.Tensor | None = None  # dynamic [B, H, 1, 1]
+        self.value_scale: torch.Tensor | None = None
+        self.key_mean: torch.Tensor | None = None  # [B, H, 1, D] when centering
+        self.out_dtype: torch.dtype | None = None
+
+    def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k_scale, v_scale = self.attention.k_scale, self.attention.v_scale
+        return (
+            self.key_scale if k_scale is None else k_scale,
+            self.value_scale if v_scale is None else v_scale,
+        )
+
+    def _first_update_stats(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Per-sequence statistics fixed by the first update: key mean, dynamic per-head scales."""
+        mean = key_states.to(torch.float32).mean(dim=-2, keepdim=True) if self.center_keys else None
+        keys = key_states.to(torch.float32) - mean if mean is not None else key_states
+        return mean, per_head_scale(keys, self.fp8_dtype), per_head_scale(value_states, self.fp8_dtype)
+
+    def _quantize_new(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        if self.attention.qfp8_kv_calibrating:
+            self.attention._record_kv_amax(key_states, value_states)
+        k_scale, v_scale = self._scales()
+        if self.key_mean is not None:
+            key_states = key_states.to(torch.float32) - self.key_mean
+        return quantize_kv(key_states, k_scale, self.fp8_dtype), quantize_kv(value_states, v_scale, self.fp8_dtype)
+
+    def _read(self, keys: torch.Tensor, values: torch.Tensor):
+        k_scale, v_scale = self._scales()
+        return dequantize_kv(keys, k_scale, self.out_dtype), dequantize_kv(values, v_scale, self.out_dtype)
+
+    def _select_batch(self, fn) -> None:
+        for name in ("key_scale", "value_scale", "key_mean"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, fn(tensor))
+
+    def scale_nbytes(self) -> int:
+        """Bytes of the per-sequence scales and key means in use (static scales live on the module)."""
+        in_use = (
+            self.key_scale if self.attention.k_scale is None else None,
+            self.value_scale if self.attention.v_scale is None else None,
+            self.key_mean,
+        )
+        return sum(t.numel() * t.element_size() for t in in_use if t is not None)
+
+
+class Float8DynamicLayer(_Float8LayerMixin, DynamicLayer):
+    """A growing cache layer storing K/V in FP8; ``update`` returns the dequantized states."""
+
+    is_croppable = True
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        self._setup(attention)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.out_dtype = key_states.dtype
+        b, h, _, dk = key_states.shape
+        self.keys = torch.empty(b, h, 0, dk, dtype=self.fp8_dtype, device=self.device)
+        self.values = torch.empty(b, h, 0, value_states.shape[-1], dtype=self.fp8_dtype, device=self.device)
+        self.key_mean, self.key_scale, self.value_scale = self._first_update_stats(key_states, value_states)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new_keys, new_values = self._quantize_new(key_states, value_states)
+        self.keys = torch.cat([self.keys, new_keys], dim=-2)
+        self.values = torch.cat([self.values, new_values], dim=-2)
+        return self._read(self.keys, self.values)
+
+    def reset(self) -> None:
+        super().reset()
+        self.key_scale = self.value_scale = self.key_mean = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.get_seq_length() > 0:
+            super().reorder_cache(beam_idx)
+            self._select_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length() > 0:
+            super().batch_repeat_interleave(repeats)
+            self._select_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length() > 0:
+            super().batch_select_indices(indices)
+            self._select_batch(lambda t: t[indices, ...])
+
+
+class Float8StaticLayer(_Float8LayerMixin, StaticLayer):
+    """A preallocated cache layer storing K/V in FP8, for ``torch.compile`` (static addresses, in-place writes)."""
+
+    def __init__(self, max_cache_len: int, attention: nn.Module):
+        super().__init__(max_cache_len=max_cache_len)
+        self._setup(attention)
+        self.needs_stats = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.out_dtype = key_states.dtype
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        shape = (self.batch_size, self.num_heads, self.max_cache_len)
+        self.keys = torch.zeros(*shape, self.k_head_dim, dtype=self.fp8_dtype, device=self.device)
+        self.values = torch.zeros(*shape, self.v_head_dim, dtype=self.fp8_dtype, device=self.device)
+        scale_shape = (self.batch_size, self.num_heads, 1, 1)
+        self.key_scale = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
+        self.value_scale = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
+        if self.center_keys:
+            self.key_mean = torch.zeros(self.batch_size, self.num_heads, 1, self.k_head_dim, device=self.device)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not torch.compiler.is_compiling():
+            for tensor in (self.keys, self.values, self.cumulative_length, self.key_scale, self.value_scale):
+                torch._dynamo.mark_static_address(tensor)
+            if self.key_mean is not None:
+                torch._dynamo.mark_static_address(self.key_mean)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.needs_stats:
+            # Filled in place: the tensors keep the static addresses compiled decode steps read.
+            mean, key_scale, value_scale = self._first_update_stats(key_states, value_states)
+            self.key_scale.copy_(key_scale)
+            self.value_scale.copy_(value_scale)
+            if mean is not None:
+                self.key_mean.copy_(mean)
+            self.needs_stats = False
+        length = key_states.shape[-2]
+        position = torch.arange(length, device=self.device) + self.cumulative_length
+        new_keys, new_values = self._quantize_new(key_states, value_states)
+        # index_copy_ has no FP8 kernel; the byte view writes the same storage.
+        self.keys.view(torch.uint8).index_copy_(2, position, new_keys.view(torch.uint8))
+        self.values.view(torch.uint8).index_copy_(2, position, new_values.view(torch.uint8))
+        self.cumulative_length.add_(length)
+        if torch.compiler.is_compiling():
+            return self._read(self.keys, self.values)
+        # Eager: dequantize only the filled prefix; the zeros behind it are masked out.
+        filled = int(self.cumulative_length)
+        keys, values = self._read(self.keys[:, :, :filled], self.values[:, :, :filled])
+        pad = (0, 0, 0, self.max_cache_len - filled)
+        return nn.functional.pad(keys, pad), nn.functional.pad(values, pad)
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.view(torch.uint8).zero_()
+            self.values.view(torch.uint8).zero_()
+        self.cumulative_length.zero_()
+        self.needs_stats = True
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            for name in ("keys", "values", "key_scale", "value_scale", "key_mean"):
+                tensor = getattr(self, name)
+                if tensor is not None:
+                    tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
+
+
+class _CalibrationRecorder:
+    """Stands in for a cache when calibration runs with ``use_cache=False``: records K/V amax, returns them as is."""
+
+    def __init__(self, attention: nn.Module):
+        self.attention = attention
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.attention._record_kv_amax(key_states, value_states)
+        return key_states, value_states
+
+
+# ------------------------------------------------------- attention modules
+
+
+class Float8KVAttentionMixin:
+    """Added to each attention module's class: FP8 KV-cache settings, static scales, calibration."""
+
+    qfp8_kv_dtype: torch.dtype
+    qfp8_center_keys: bool
+    qfp8_kv_calibrating: bool
+
+    def start_calibration(self) -> None:
+        self.qfp8_kv_calibrating = True
+        self._kv_amax: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def end_calibration(self) -> None:
+        self.qfp8_kv_calibrating = False
+        if self._kv_amax is None:
+            return  # never ran: stays dynamic
+        k_amax, v_amax = self._kv_amax
+        self.k_scale = formats.scale_from_amax(k_amax, self.qfp8_kv_dtype).reshape(1)
+        self.v_scale = formats.scale_from_amax(v_amax, self.qfp8_kv_dtype).reshape(1)
+        self._kv_amax = None
+
+    def _record_kv_amax(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        k_amax, v_amax = _finite_abs(key_states).amax(), _finite_abs(value_states).amax()
+        if self._kv_amax is not None:
+            k_amax, v_amax = torch.maximum(k_amax, self._kv_amax[0]), torch.maximum(v_amax, self._kv_amax[1])
+        self._kv_amax = (k_amax, v_amax)
+
+
+_MIXED_CLASSES: dict[type, type] = {}
+
+
+def _with_mixin(cls: type) -> type:
+    mixed = _MIXED_CLASSES.get(cls)
+    if mixed is None:
+        mixed = type(f"Float8KV{cls.__name__}", (Float8KVAttentionMixin, cls), {"__module__": cls.__module__})
+        _MIXED_CLASSES[cls] = mixed
+    return mixed
+
+
+def _is_llama_attention(module: nn.Module) -> bool:
+    if not all(hasattr(module, name) for name in ("layer_idx", "k_proj", "v_proj", "head_dim")):
+        return False
+    parameters = inspect.signature(type(module).forward).parameters
+    return "cache" in parameters or "past_key_values" in parameters
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The Llama-family attention modules of ``model`` by name."""
+    return {name: module for name, module in model.named_modules() if _is_llama_attention(module)}
+
+
+def _cache_from(kwargs: dict):
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
+
+
+def _install_layer(cache, attention: nn.Module) -> None:
+    """Replaces the attention module's layer in ``cache`` by an FP8 one (once per cache)."""
+    index = attention.layer_idx
+    layers = cache.layers
+    if index < len(layers):
+        layer = layers[index]
+        if isinstance(layer, _Float8LayerMixin):
+            if layer.attention is not attention:
+                raise ValueError(
+                    f"cache layer {index} belongs to another model's attention module; pass each model its own cache"
+                )
+            return
+    else:
+        replicate = getattr(cache, "layer_class_to_replicate", None)
+        if replicate is None:
+            raise ValueError(f"cache {type(cache).__name__} has {len(layers)} layers, attention layer_idx is {index}")
+        while len(layers) <= index:
+            layers.append(replicate())
+        layer = layers[index]
+    if type(layer) is StaticLayer:
+        new_layer = Float8StaticLayer(layer.max_cache_len, attention)
+    elif type(layer) is DynamicLayer:
+        new_layer = Float8DynamicLayer(attention)
+    else:
+        raise NotImplementedError(
+            f"FP8 KV cache: layer {index} is a {type(layer).__name__}; only DynamicLayer and StaticLayer "
+            "(full attention, DynamicCache / StaticCache) are supported"
+        )
+    if layer.is_initialized:
+        raise ValueError(
+            f"FP8 KV cache: cache layer {index} already holds unquantized states; start from a fresh cache"
+        )
+    layers[index] = new_layer
+
+
+def _pre_forward(module: nn.Module, args, kwargs):
+    if not module.qfp8_kv_enabled:
+        return None
+    cache = _cache_from(kwargs)
+    if cache is None:
+        if module.qfp8_kv_calibrating:
+            kwargs = dict(kwargs)
+            kwargs.pop("past_key_values", None)
+            kwargs["cache"] = _CalibrationRecorder(module)
+            return args, kwargs
+        return None
+    _install_layer(cache, module)
+    return None
+
+
+def _load_state_dict_pre_hook(model, state_dict, prefix, *args) -> None:
+    """Creates the scale buffers a state dict holds; a layer whose scale is missing falls back to dynamic."""
+    carries_scales = any(key.startswith(prefix) and key.endswith((".k_scale", ".v_scale")) for key in state_dict)
+    missing = []
+    for name, attention in attention_modules(model).items():
+        if not isinstance(attention, Float8KVAttentionMixin):
+            continue
+        for scale_name in ("k_scale", "v_scale"):
+            key = f"{prefix}{name}.{scale_name}"
+            if key in state_dict:
+                value = state_dict[key]
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"{key}: an FP8 KV-cache scale is per tensor (1 value), got shape {tuple(value.shape)}"
+                    )
+                state_dict[key] = value.detach().reshape(1).to(torch.float32)
+                if getattr(attention, scale_name) is None:
+                    device = attention.k_proj.weight.device if hasattr(attention.k_proj, "weight") else None
+                    attention._buffers[scale_name] = torch.empty(1, dtype=torch.float32, device=device)
+            elif carries_scales:
+                attention._buffers[scale_name] = None
+                missing.append(key)
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        warnings.warn(
+            f"FP8 KV cache: the state dict has no {shown}; those caches use dynamic per-head scales instead",
+            stacklevel=3,
+        )
+
+
+def enable_fp8_kv_cache(model: nn.Module, dtype=torch.float8_e4m3fn, center_keys: bool = False) -> list[str]:
+    """Stores the KV cache of every Llama-family attention module of ``model`` in FP8 (in place).
+
+    ``dtype``: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (or their names).
+    ``center_keys``: subtract each key channel's prefill mean before quantizing
+    (attention output unchanged, smaller rounding error; runtime only).
+    Returns the names of the attention modules. Static scales come from
+    :func:`qfp8.calibrate` or a checkpoint; without them scales are dynamic.
+    """
+    dtype = formats.fp8_dtype(dtype)
+    if dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"FP8 KV cache dtype must be one of {[str(d) for d in KV_CACHE_DTYPES]}, got {dtype}")
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(
+            f"enable_fp8_kv_cache: {type(model).__name__} has no Llama-family attention module "
+            "(one with layer_idx, k_proj, v_proj, head_dim and a forward taking `cache`)"
+        )
+    for module in modules.values():
+        if isinstance(module, Float8KVAttentionMixin):
+            if module.qfp8_kv_dtype != dtype:  # scales of another format no longer hold
+                module.qfp8_kv_dtype = dtype
+                module.k_scale = module.v_scale = None
+            module.qfp8_center_keys = center_keys
+            module.qfp8_kv_enabled = True
+            continue
+        module.__class__ = _with_mixin(type(module))
+        module.qfp8_kv_dtype = dtype
+        module.qfp8_center_keys = center_keys
+        module.qfp8_kv_calibrating = False
+        module.qfp8_kv_enabled = True
+        module._kv_amax = None
+        module.register_buffer("k_scale", None)
+        module.register_buffer("v_scale", None)
+        module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+    if not getattr(model, "_qfp8_kv_load_hook", False):
+        model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+        model._qfp8_kv_load_hook = True
+    model.qfp8_kv_cache_dtype = dtype
+    return list(modules)
+
+
+def set_fp8_kv_cache_enabled(model: nn.Module, enabled: bool) -> None:
+    """Turns the FP8 cache off (or back on) for caches the model meets from then on; scales are kept.
+
+    For A/B runs in one process: a cache already holding FP8 layers stays FP8.
+    """
+    modules = [m for m in model.modules() if isinstance(m, Float8KVAttentionMixin)]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no FP8 KV cache; call enable_fp8_kv_cache first")
+    for module in modules:
+        module.qfp8_kv_enabled = enabled
+
+
+def kv_cache_nbytes(cache) -> dict[str, int]:
+    """Bytes held by a cache: ``data`` (K and V states) and ``scales`` (scales, key means, static scales)."""
+    data = scales = 0
+    seen_modules = set()
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        data += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        if isinstance(layer, _Float8LayerMixin):
+            scales += layer.scale_nbytes()
+            attention = layer.attention
+            if id(attention) not in seen_modules:
+                seen_modules.add(id(attention))
+                scales += sum(
+                    t.numel() * t.element_size() for t in (attention.k_scale, attention.v_scale) if t is not None
+                )
+    return {"data": data, "scales": scales}

@@ -1,0 +1,35 @@
+"""bench/kv_cache.py --quick runs end to end and reports what the issue asks for."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_kv_cache_bench_quick(tmp_path):
+    out = tmp_path / "kv.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kv_cache.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cache bytes" in proc.stdout and "decode" in proc.stdout and "accuracy" in proc.stdout
+    results = json.loads(out.read_text())
+    assert results["bytes"]["fp8_data"] * 2 == results["bytes"]["bf16"]
+    assert 0 < results["bytes"]["fp8_scales"] < results["bytes"]["fp8_data"] / 100
+    assert [row["context"] for row in results["decode"]["rows"]] == [128, 512]
+    for row in results["decode"]["rows"]:
+        assert row["bf16_tok_s"] > 0 and row["fp8_tok_s"] > 0
+        assert row["fp8_cache_bytes"] * 2 == row["bf16_cache_bytes"]
+    rows = {row["cache"]: row for row in results["accuracy"]["rows"]}
+    assert set(rows) >= {"float32", "bf16", "fp8-e4m3 static tensor", "fp8-e4m3 dynamic head"}
+    assert rows["float32"]["kl_mean"] == 0
+    for name, row in rows.items():
+        assert 0 <= row["kl_mean"] < 0.05, name
