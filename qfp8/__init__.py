@@ -1,5 +1,6 @@
 """qfp8: FP8 weights and activations for PyTorch models, with fast kernels."""
 
+from qfp8.checkpoint import from_pretrained, load_state_dict, save_pretrained
 from qfp8.nn import QLinear
 from qfp8.quantize import QuantizeReport, calibrate, freeze, quantize
 from qfp8.tensor import Float8ActivationTensor, Float8WeightTensor
@@ -13,5 +14,8 @@ __all__ = [
     "QuantizeReport",
     "calibrate",
     "freeze",
+    "from_pretrained",
+    "load_state_dict",
     "quantize",
+    "save_pretrained",
 ]

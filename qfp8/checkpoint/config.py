@@ -1,0 +1,144 @@
+"""``quantization_config`` (config.json) <-> :class:`QuantizationScheme`.
+
+qfp8 writes compressed-tensors ``float-quantized`` configs, the format vLLM
+and transformers load natively:
+
+- one ``config_group`` per distinct scheme. A model with one scheme gets
+  ``targets: ["Linear"]`` and an ``ignore`` list of the linear layers left in
+  float; several schemes get each group's module names as targets.
+- weights: ``strategy`` ``tensor`` | ``channel`` | ``block`` (with
+  ``block_structure [bn, bk]``); ``input_activations``: ``null`` (W8A16),
+  dynamic ``token`` / ``tensor`` / ``group`` (``group_size`` 128), or static
+  ``tensor`` (the checkpoint then holds ``input_scale``).
+- ``kv_cache_scheme``: FP8 per-tensor static, with ``k_scale``/``v_scale``
+  per attention module.
+
+compressed-tensors' float type is e4m3fn only; weights stored as e5m2 or
+e4m3fnuz keep their dtype in the safetensors header, which is where qfp8's
+readers take the weight dtype from (vLLM would refuse such a checkpoint).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import torch
+
+from qfp8 import formats
+from qfp8.nn.scheme import QuantizationScheme
+
+QUANT_METHOD = "compressed-tensors"
+FLOAT_FORMAT = "float-quantized"
+
+
+def _float_args(strategy: str, dynamic: bool, **extra) -> dict:
+    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": strategy,
+            "dynamic": dynamic, **extra}  # fmt: skip
+
+
+def scheme_to_group(scheme: QuantizationScheme, targets: list[str]) -> dict:
+    """One compressed-tensors ``config_group`` for ``scheme``."""
+    if scheme.weight_scale == "block":
+        weights = _float_args("block", False, block_structure=list(scheme.block_size))
+    else:
+        weights = _float_args(scheme.weight_scale, False)
+    if scheme.activations is None:
+        inputs = None
+    elif scheme.activations == "static":
+        inputs = _float_args("tensor", False)
+    elif scheme.activation_scale == "group":
+        inputs = _float_args("group", True)
+        inputs["group_size"] = formats.ACTIVATION_GROUP_SIZE
+    else:
+        inputs = _float_args(scheme.activation_scale, True)
+    return {
+        "targets": targets,
+        "weights": weights,
+        "input_activations": inputs,
+        "output_activations": None,
+        "format": FLOAT_FORMAT,
+    }
+
+
+def kv_cache_scheme(dtype: torch.dtype | None) -> dict | None:
+    if dtype is None:
+        return None
+    return _float_args("tensor", False)
+
+
+def build_quantization_config(
+    schemes: dict[str, QuantizationScheme], ignored: list[str], kv_cache_dtype: torch.dtype | None
+) -> dict:
+    """The ``quantization_config`` of a model whose quantized linears are ``schemes`` (name -> scheme)."""
+    by_scheme: dict[QuantizationScheme, list[str]] = {}
+    for name, scheme in schemes.items():
+        by_scheme.setdefault(scheme, []).append(name)
+    if len(by_scheme) == 1:
+        groups = {"group_0": scheme_to_group(next(iter(by_scheme)), ["Linear"])}
+    else:
+        groups = {f"group_{i}": scheme_to_group(s, names) for i, (s, names) in enumerate(by_scheme.items())}
+    return {
+        "quant_method": QUANT_METHOD,
+        "format": FLOAT_FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": sorted(ignored),
+        "kv_cache_scheme": kv_cache_scheme(kv_cache_dtype),
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+    }
+
+
+# ------------------------------------------------------------------ reading
+
+
+def _check_float8(args: dict, where: str) -> None:
+    if args.get("type") != "float" or args.get("num_bits") != 8:
+        raise ValueError(
+            f"{where}: qfp8 reads 8-bit float quantization, got type={args.get('type')!r} "
+            f"num_bits={args.get('num_bits')!r}"
+        )
+
+
+def group_to_scheme(group: dict, where: str, weight_dtype: torch.dtype = torch.float8_e4m3fn) -> QuantizationScheme:
+    """The :class:`QuantizationScheme` of one compressed-tensors ``config_group``."""
+    weights = group.get("weights")
+    if not weights:
+        raise ValueError(f"{where}: config group has no 'weights' entry; qfp8 reads weight-quantized groups only")
+    _check_float8(weights, f"{where}.weights")
+    strategy = weights.get("strategy")
+    block_size = ()
+    if strategy == "block":
+        block = weights.get("block_structure")
+        if isinstance(block, str):  # older compressed-tensors wrote "128x128"
+            block = [int(part) for part in block.lower().split("x")]
+        block_size = formats._check_block_size(tuple(block or ()))
+    elif strategy not in ("tensor", "channel"):
+        raise ValueError(f"{where}.weights: unsupported strategy {strategy!r}; expected tensor, channel or block")
+    inputs = group.get("input_activations")
+    activations, activation_scale = None, "token"
+    if inputs:
+        _check_float8(inputs, f"{where}.input_activations")
+        a_strategy = inputs.get("strategy")
+        if not inputs.get("dynamic"):
+            if a_strategy != "tensor":
+                raise ValueError(f"{where}.input_activations: static scales must be per tensor, got {a_strategy!r}")
+            activations, activation_scale = "static", "tensor"
+        else:
+            if a_strategy not in formats.ACTIVATION_GRANULARITIES:
+                raise ValueError(f"{where}.input_activations: unsupported dynamic strategy {a_strategy!r}")
+            if a_strategy == "group" and inputs.get("group_size") not in (None, formats.ACTIVATION_GROUP_SIZE):
+                raise ValueError(
+                    f"{where}.input_activations: group_size {inputs.get('group_size')} is not supported "
+                    f"(qfp8 uses {formats.ACTIVATION_GROUP_SIZE})"
+                )
+            activations, activation_scale = "dynamic", a_strategy
+    return QuantizationScheme(weight_dtype, strategy, block_size, activations, activation_scale)
+
+
+def matches(name: str, class_name: str, target: str) -> bool:
+    """compressed-tensors target matching: ``re:`` regex, a class name, or a module name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == class_name or target == name or fnmatch.fnmatchcase(name, target)

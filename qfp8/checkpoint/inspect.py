@@ -1,0 +1,90 @@
+"""``qfp8 inspect PATH``: what a checkpoint holds, read from headers (and the small scale tensors) only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import torch
+
+from qfp8.checkpoint.readers import open_checkpoint
+
+
+def _group_name(module: str) -> str:
+    return re.sub(r"\.\d+\.", ".*.", module)
+
+
+def describe(path) -> dict:
+    """A JSON-able description: format, files, scheme per module group, sizes, KV-cache scales."""
+    checkpoint = open_checkpoint(path)
+    plan = checkpoint.plan()
+    groups: dict[tuple[str, str], int] = {}
+    for module, scheme in plan.schemes.items():
+        key = (_group_name(module), scheme.describe())
+        groups[key] = groups.get(key, 0) + 1
+    quantized_bytes = float_bytes = 0
+    for name, stored in plan.tensors.items():
+        info = stored.file.info(stored.name)
+        module = name.rsplit(".", 1)[0]
+        if module in plan.schemes:
+            quantized_bytes += info.nbytes
+        else:
+            float_bytes += info.nbytes
+    kv = {}
+    for suffix in ("k_scale", "v_scale"):
+        values = [plan.load(name).item() for name in plan.tensors if name.endswith("." + suffix)]
+        if values:
+            kv[suffix] = {"count": len(values), "min": min(values), "max": max(values)}
+    float_dtypes = sorted(
+        {str(stored.file.info(stored.name).dtype).replace("torch.", "") for name, stored in plan.tensors.items()
+         if name.rsplit(".", 1)[0] not in plan.schemes and name.endswith(".weight")}
+    )  # fmt: skip
+    return {
+        "path": str(checkpoint.directory),
+        "format": plan.format,
+        "files": [f.path.name for f in checkpoint.files],
+        "file_bytes": sum(f.size for f in checkpoint.files),
+        "tensors": len(plan.tensors),
+        "quantized_modules": len(plan.schemes),
+        "groups": [{"modules": g, "scheme": s, "count": c} for (g, s), c in groups.items()],
+        "quantized_bytes": quantized_bytes,
+        "float_bytes": float_bytes,
+        "float_weight_dtypes": float_dtypes,
+        "kv_cache": {"dtype": str(plan.kv_cache_dtype).replace("torch.", "") if plan.kv_cache_dtype else None, **kv},
+        "architecture": (checkpoint.config.get("architectures") or [None])[0],
+    }
+
+
+def format_description(info: dict) -> str:
+    lines = [
+        f"{info['path']}",
+        f"  format: {info['format']}   architecture: {info['architecture']}",
+        f"  files: {len(info['files'])} ({info['file_bytes'] / 1e6:.1f} MB), tensors: {info['tensors']}",
+        f"  quantized: {info['quantized_modules']} modules, {info['quantized_bytes'] / 1e6:.1f} MB; "
+        f"float: {info['float_bytes'] / 1e6:.1f} MB ({', '.join(info['float_weight_dtypes']) or '-'})",
+    ]
+    width = max([len(g["modules"]) for g in info["groups"]] + [7])
+    if info["groups"]:
+        lines.append(f"  {'modules'.ljust(width)}  count  scheme")
+        for g in info["groups"]:
+            lines.append(f"  {g['modules'].ljust(width)}  {g['count']:5d}  {g['scheme']}")
+    kv = info["kv_cache"]
+    if kv["dtype"]:
+        parts = [f"{k}: {v['count']} in [{v['min']:.4g}, {v['max']:.4g}]" for k, v in kv.items() if k != "dtype"]
+        lines.append(f"  kv cache: {kv['dtype']}" + (f"  ({'; '.join(parts)})" if parts else ""))
+    else:
+        lines.append("  kv cache: not quantized")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="checkpoint folder or Hub repo id")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    with torch.no_grad():
+        info = describe(args.path)
+    print(json.dumps(info, indent=2) if args.json else format_description(info))
+    return 0

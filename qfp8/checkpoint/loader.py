@@ -1,0 +1,269 @@
+"""``from_pretrained`` and ``load_state_dict``: quantized checkpoints into models.
+
+``from_pretrained`` builds the transformers model with its parameters on
+the ``meta`` device (buffers such as rotary frequencies are computed as
+usual; they are not in checkpoints), replaces each linear layer the
+checkpoint quantizes with a meta :class:`QLinear` of the checkpoint's
+scheme, and assigns every tensor as a view of the memory-mapped safetensors
+file: no float copy of a quantized weight is made, and float tensors
+(embeddings, norms, ``lm_head``) are used as stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from qfp8.checkpoint.readers import CheckpointPlan, open_checkpoint
+from qfp8.nn import QLinear, QuantizationScheme
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
+KV_SCALE_RENAMES = {".kv_scale": (".k_scale", ".v_scale")}
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def build_skeleton(model: nn.Module, schemes: dict[str, QuantizationScheme]) -> None:
+    """Replaces the named ``nn.Linear`` modules by meta ``QLinear`` modules of their scheme (in place)."""
+    aliases: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(name)
+    for name, scheme in schemes.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"the checkpoint quantizes module {name!r}, which the model does not have") from None
+        if isinstance(module, QLinear):
+            continue  # an alias already replaced
+        if not isinstance(module, nn.Linear):
+            raise ValueError(
+                f"the checkpoint quantizes module {name!r}, but the model's module is {type(module).__name__}, "
+                "not nn.Linear"
+            )
+        qlinear = QLinear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            scheme=scheme,
+            dtype=module.weight.dtype,
+            device=torch.device("meta"),
+        )
+        if scheme.activations == "static":
+            qlinear.input_scale = torch.ones(1, device="meta")  # a slot for the stored scale
+        for alias in aliases[id(module)]:
+            _set_submodule(model, alias, qlinear)
+    uniform = set(schemes.values())
+    model.qfp8_scheme = uniform.pop() if len(uniform) == 1 else None
+
+
+def enable_kv_cache_skeleton(model: nn.Module, dtype: torch.dtype) -> None:
+    """Adds the FP8 KV cache (``k_scale``/``v_scale`` on attention modules) that the checkpoint's scales load into."""
+    try:
+        from qfp8.nn.kv_cache import enable_fp8_kv_cache
+    except ImportError as error:
+        raise NotImplementedError(
+            "this checkpoint has an FP8 KV cache (kv_cache_scheme / k_scale, v_scale) but qfp8.nn.kv_cache is not "
+            f"available in this build: {error}"
+        ) from error
+    enable_fp8_kv_cache(model, dtype)
+    model.qfp8_kv_cache_dtype = dtype
+
+
+def _empty_weights():
+    """Parameters on meta, buffers computed for real (they are not in checkpoints)."""
+    try:
+        from accelerate import init_empty_weights
+    except ImportError:
+        return torch.device("meta")
+    return init_empty_weights(include_buffers=False)
+
+
+def _tie(model: nn.Module) -> None:
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+
+
+def _where(plan: CheckpointPlan | None, key: str) -> str:
+    if plan is not None and key in plan.tensors:
+        return f"{plan.tensors[key].file.path}: "
+    return ""
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Drops the resident pages of a tensor that views a private file mapping (re-read from the file if used).
+
+    ``madvise(MADV_DONTNEED)`` on whole pages inside the tensor's bytes; a
+    no-op where libc or madvise is not available.
+    """
+    try:
+        import ctypes
+        import mmap
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = mmap.PAGESIZE
+        start = -(-tensor.data_ptr() // page) * page
+        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+    except (OSError, AttributeError):
+        pass
+
+
+def _empty_buffer_slot(model: nn.Module, key: str) -> bool:
+    """A buffer registered as None (an uncalibrated ``input_scale``, ``k_scale``): the state fills it."""
+    module_name, _, leaf = key.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return False
+    return leaf in module._buffers and module._buffers[leaf] is None
+
+
+def assign_state(model: nn.Module, state: dict[str, torch.Tensor], plan: CheckpointPlan | None = None) -> None:
+    """``model.load_state_dict(state, assign=True)`` after checking every name, shape and dtype.
+
+    Errors name the file (when known), the tensor and both sizes.
+    """
+    expected = model.state_dict(keep_vars=True)
+    unexpected = sorted(key for key in set(state) - set(expected) if not _empty_buffer_slot(model, key))
+    if unexpected:
+        shown = ", ".join(f"{_where(plan, k)}{k}" for k in unexpected[:5])
+        raise ValueError(
+            f"{len(unexpected)} tensor(s) do not belong to the model ({type(model).__name__}): {shown}"
+            + (" ..." if len(unexpected) > 5 else "")
+        )
+    for key, value in state.items():
+        if key not in expected:
+            continue  # an empty buffer slot: its owner checks the value when loading
+        target = expected[key]
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{_where(plan, key)}tensor {key!r} has shape {list(value.shape)}, the model expects "
+                f"{list(target.shape)}"
+            )
+        target_fp8, value_fp8 = target.dtype in FP8_DTYPES, value.dtype in FP8_DTYPES
+        if (
+            target_fp8 != value_fp8
+            or (target_fp8 and value.dtype != target.dtype)
+            or (target.is_floating_point() and not value.is_floating_point())
+        ):
+            raise ValueError(f"{_where(plan, key)}tensor {key!r} is {value.dtype}, the model expects {target.dtype}")
+    state = dict(state)
+    # QLinears first, one at a time: a kernel that packs weights makes its own
+    # copy, and the mapped pages of the stored weight are released right away
+    # so that the file and the packed copy are never both resident.
+    for name, module in model.named_modules():
+        if not isinstance(module, QLinear) or name + ".weight" not in state:
+            continue
+        prefix = name + "."
+        own = {key[len(prefix) :]: state.pop(key) for key in list(state) if key.startswith(prefix)}
+        module.load_state_dict(own, strict=False, assign=True)
+        stored = own["weight"]
+        if module.qweight.untyped_storage().data_ptr() != stored.untyped_storage().data_ptr():
+            release_pages(stored)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    _tie(model)
+    still_meta = [
+        name
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if tensor is not None and tensor.device.type == "meta"
+    ]
+    missing = sorted(set(result.missing_keys) & set(still_meta)) or still_meta
+    if missing:
+        source = f"{plan.directory}" if plan is not None else "the state dict"
+        raise ValueError(
+            f"{source} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:5])}"
+            + (" ..." if len(missing) > 5 else "")
+        )
+
+
+def normalize_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Other tools' spellings of a quantized state dict -> qfp8's (and compressed-tensors') names.
+
+    ``weight_scale_inv`` -> ``weight_scale``; 0-dim scales -> ``[1]``; scales
+    in another float dtype -> float32; ``kv_scale`` -> ``k_scale`` and ``v_scale``.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state dict entry {key!r} is {type(value).__name__}, not a tensor")
+        if key.endswith(".weight_scale_inv"):
+            key = key[: -len("_inv")]
+        names = [key]
+        for old, new in KV_SCALE_RENAMES.items():
+            if key.endswith(old):
+                names = [key[: -len(old)] + suffix for suffix in new]
+        for name in names:
+            if name.endswith(("_scale",)):
+                value = value.to(torch.float32)
+                if value.dim() == 0:
+                    value = value.reshape(1)
+            out[name] = value
+    return out
+
+
+def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    """Loads a quantized state dict into a quantized model or meta skeleton (tensors are assigned, not copied)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_state_dict takes an nn.Module, got {type(model).__name__}")
+    if not any(isinstance(m, QLinear) for m in model.modules()):
+        raise ValueError("load_state_dict: the model has no QLinear; quantize it (or build it with from_pretrained)")
+    state = normalize_state_dict(state_dict)
+    for name, module in model.named_modules():
+        if isinstance(module, QLinear) and module.input_scale is None and name + ".input_scale" in state:
+            module.input_scale = torch.ones(1, device=module.weight_scale.device)  # a slot for the stored scale
+        if isinstance(module, QLinear) and name + ".weight_scale" in state:
+            scale = state[name + ".weight_scale"]
+            want = tuple(module.weight_scale.shape)
+            if scale.numel() == 1 and want == (1,) or scale.numel() == want[0] and want[1:] == (1,):
+                state[name + ".weight_scale"] = scale.reshape(want)
+    assign_state(model, state)
+    return model
+
+
+def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Loads a quantized checkpoint (qfp8's, compressed-tensors, vLLM/AutoFP8 ``fp8``, block ``fp8``, quanto).
+
+    ``path`` is a folder or a Hub repo id (resolved through ``huggingface_hub``,
+    ``HF_HUB_OFFLINE`` honoured). ``dtype`` is the dtype of the model's float
+    computation (default: the config's ``torch_dtype``).
+    """
+    checkpoint = open_checkpoint(path)
+    plan = checkpoint.plan()
+    if plan.format == "float":
+        raise ValueError(
+            f"{checkpoint.directory}: config.json has no quantization_config (a float checkpoint); quantize it "
+            "with `qfp8 quantize SRC DST` or qfp8.quantize(model)"
+        )
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError("qfp8.from_pretrained needs transformers to build the model") from error
+    if not (checkpoint.directory / "config.json").is_file():
+        raise FileNotFoundError(f"{checkpoint.directory}: no config.json to build the model from")
+    config = transformers.AutoConfig.from_pretrained(checkpoint.directory)
+    with contextlib.suppress(AttributeError):
+        del config.quantization_config  # qfp8 does the quantization; transformers must not
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with _empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    build_skeleton(model, plan.schemes)
+    if plan.kv_cache_dtype is not None:
+        enable_kv_cache_skeleton(model, plan.kv_cache_dtype)
+    assign_state(model, plan.state_dict(mmap=True), plan)
+    model.qfp8_source = str(checkpoint.directory)
+    model.qfp8_checkpoint_format = plan.format
+    model.eval()
+    if torch.device(device).type != "cpu":
+        model.to(device)
+    return model

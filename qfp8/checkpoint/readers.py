@@ -1,0 +1,450 @@
+"""Readers: every FP8 checkpoint format qfp8 takes, mapped onto QLinear's state.
+
+:func:`open_checkpoint` finds a folder's safetensors files (refusing pickle
+files), parses their headers and recognises the format:
+
+=====================  ==========================================================
+format                 how it is recognised, and what the reader maps
+=====================  ==========================================================
+``compressed-tensors`` ``quant_method: "compressed-tensors"``, ``format:
+                       "float-quantized"`` (qfp8's own output, llm-compressor's):
+                       ``weight``, ``weight_scale`` (``[1]``/``[N, 1]``/blocks, any
+                       float dtype -> float32), ``input_scale``, ``k_scale``/
+                       ``v_scale``; zero points of symmetric schemes are dropped.
+``fp8``                ``quant_method: "fp8"`` (vLLM, AutoFP8): 0-dim
+                       ``weight_scale``/``input_scale`` -> ``[1]``; ``kv_scale``
+                       -> ``k_scale`` and ``v_scale``; ``k_proj.output_scale``
+                       -> the attention's ``k_scale``.
+``fp8-block``          ``quant_method: "fp8"`` with ``weight_block_size``
+                       (DeepSeek-V3 style): ``weight_scale_inv`` is the block
+                       scale that multiplies on dequantization -> ``weight_scale``.
+``quanto``             ``quanto_qmap.json`` (optimum-quanto): ``weight._data``
+                       -> ``weight``, ``weight._scale`` -> ``weight_scale``.
+``float``              no ``quantization_config``: the input of ``qfp8 quantize``.
+=====================  ==========================================================
+
+A reader yields a :class:`CheckpointPlan`: the scheme of each quantized
+module, the KV-cache dtype, and for each name of the qfp8 state dict where
+its tensor is stored. Tensors are fetched one at a time, memory-mapped
+(loading) or read into a fresh buffer (streaming).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qfp8 import formats
+from qfp8.checkpoint import config as qconfig
+from qfp8.checkpoint.safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle_message
+from qfp8.nn.scheme import QuantizationScheme
+
+INDEX_NAME = "model.safetensors.index.json"
+QUANTO_QMAP = "quanto_qmap.json"
+FP8_WEIGHT_DTYPES = tuple(formats.FP8_DTYPES.values())
+# Tensors some writers keep that qfp8 rebuilds itself or does not use.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor of the qfp8 state dict is stored, and how to make it canonical."""
+
+    file: SafetensorsFile
+    name: str
+    scale_shape: tuple[int, ...] | None = None  # set for scales: cast to float32, reshape to this
+
+    def load(self, mmap: bool = True) -> torch.Tensor:
+        value = self.file.get(self.name) if mmap else self.file.read(self.name)
+        if self.scale_shape is not None:
+            value = value.to(torch.float32).reshape(self.scale_shape)
+        return value
+
+
+@dataclass
+class CheckpointPlan:
+    format: str
+    directory: Path
+    config: dict
+    schemes: dict[str, QuantizationScheme] = field(default_factory=dict)
+    kv_cache_dtype: torch.dtype | None = None
+    tensors: dict[str, StoredTensor] = field(default_factory=dict)
+
+    def load(self, name: str, mmap: bool = True) -> torch.Tensor:
+        return self.tensors[name].load(mmap)
+
+    def state_dict(self, mmap: bool = True) -> dict[str, torch.Tensor]:
+        """Every tensor, canonical names (memory-mapped views by default: no copy)."""
+        return {name: stored.load(mmap) for name, stored in self.tensors.items()}
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder: its config, files and the stored name -> file map."""
+
+    directory: Path
+    config: dict
+    files: list[SafetensorsFile]
+    where: dict[str, SafetensorsFile]
+    quanto_map: dict | None = None
+
+    @property
+    def quantization_config(self) -> dict | None:
+        return self.config.get("quantization_config")
+
+    @property
+    def format(self) -> str:
+        if self.quanto_map is not None:
+            return "quanto"
+        qc = self.quantization_config
+        if not qc:
+            return "float"
+        method = qc.get("quant_method")
+        if method == qconfig.QUANT_METHOD:
+            fmt = qc.get("format")
+            if fmt != qconfig.FLOAT_FORMAT:
+                raise ValueError(
+                    f"{self.directory / 'config.json'}: compressed-tensors format {fmt!r} is not FP8; qfp8 reads "
+                    f"{qconfig.FLOAT_FORMAT!r}"
+                )
+            return "compressed-tensors"
+        if method == "fp8":
+            return "fp8-block" if qc.get("weight_block_size") else "fp8"
+        raise ValueError(
+            f"{self.directory / 'config.json'}: unknown quant_method {method!r}; qfp8 reads 'compressed-tensors' "
+            "(float-quantized), 'fp8' (vLLM/AutoFP8, block-wise weight_scale_inv) and optimum-quanto folders"
+        )
+
+    def stored(self, name: str, scale_shape=None) -> StoredTensor:
+        return StoredTensor(self.where[name], name, scale_shape)
+
+    def info(self, name: str):
+        return self.where[name].info(name)
+
+    def plan(self) -> CheckpointPlan:
+        reader = {
+            "compressed-tensors": _read_compressed_tensors,
+            "fp8": _read_fp8,
+            "fp8-block": _read_fp8,
+            "quanto": _read_quanto,
+            "float": _read_float,
+        }[self.format]
+        plan = CheckpointPlan(self.format, self.directory, self.config)
+        reader(self, plan)
+        _check_plan(self, plan)
+        return plan
+
+
+# -------------------------------------------------------------- discovery
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A local folder, or a Hugging Face Hub repo id resolved through its local cache rules."""
+    local = Path(path)
+    if local.is_dir():
+        return local
+    if local.is_file():
+        if local.suffix in PICKLE_SUFFIXES:
+            raise ValueError(refuse_pickle_message(local))
+        return local.parent
+    text = str(path)
+    if text.count("/") == 1 and not text.startswith((".", "/")):
+        try:
+            import huggingface_hub
+        except ImportError:
+            raise FileNotFoundError(f"{text}: no such folder (and huggingface_hub is not installed)") from None
+        try:
+            # Honours HF_HUB_OFFLINE (then only the local cache is used).
+            return Path(
+                huggingface_hub.snapshot_download(
+                    text, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+                )
+            )
+        except Exception as error:  # the hub's errors differ between versions; re-raise as one
+            raise FileNotFoundError(f"{text}: not a folder, and the Hub repo could not be resolved: {error}") from error
+    raise FileNotFoundError(f"{text}: no such checkpoint folder")
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Parses the config and safetensors headers of a checkpoint folder (reads no tensor data)."""
+    directory = resolve(path)
+    config_path = directory / "config.json"
+    config = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{config_path}: not valid JSON: {error}") from None
+    index_path = directory / INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{index_path}: not a safetensors index (no weight_map): {error}") from None
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if Path(name).suffix in PICKLE_SUFFIXES:
+                raise ValueError(refuse_pickle_message(directory / name))
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"{index_path} lists shard {name!r}, which is not in {directory}")
+    else:
+        names = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not names:
+            pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            if pickles:
+                raise ValueError(refuse_pickle_message(directory / pickles[0]))
+            raise FileNotFoundError(f"{directory}: no *.safetensors file")
+        weight_map = None
+    files = [SafetensorsFile(directory / name) for name in names]
+    where: dict[str, SafetensorsFile] = {}
+    for f in files:
+        for key in f.keys():
+            if key in where:
+                raise ValueError(f"tensor {key!r} is stored twice: in {where[key].path.name} and {f.path.name}")
+            where[key] = f
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if key not in where or where[key].path.name != name:
+                raise ValueError(f"{index_path}: tensor {key!r} is mapped to {name}, which does not hold it")
+    quanto_map = None
+    if (directory / QUANTO_QMAP).is_file():
+        quanto_map = json.loads((directory / QUANTO_QMAP).read_text())
+    return Checkpoint(directory, config, files, where, quanto_map)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _scale_shape(
+    checkpoint: Checkpoint, module: str, scale_name: str, scheme: QuantizationScheme, weight_name: str = ""
+) -> tuple[tuple[int, ...], QuantizationScheme]:
+    """Checks a stored weight scale against the weight and scheme; returns its canonical shape."""
+    weight = checkpoint.info(weight_name or module + ".weight")
+    scale = checkpoint.info(scale_name)
+    n, k = weight.shape if len(weight.shape) == 2 else (None, None)
+    where = f"{checkpoint.where[scale_name].path.name}: {scale_name}"
+    if n is None:
+        raise ValueError(f"{where}: its weight {module}.weight has shape {list(weight.shape)}, expected 2-D [N, K]")
+    numel = 1
+    for size in scale.shape:
+        numel *= size
+    if scheme.weight_scale == "block":
+        expected = formats.block_scale_shape((n, k), scheme.block_size)
+        if tuple(scale.shape) != expected:
+            raise ValueError(
+                f"{where} has shape {list(scale.shape)}; weight [{n}, {k}] with blocks {list(scheme.block_size)} "
+                f"needs {list(expected)}"
+            )
+        return expected, scheme
+    if numel == 1 and scheme.weight_scale == "tensor":
+        return (1,), scheme
+    if numel == n and scheme.weight_scale == "channel" and len(scale.shape) <= 2:
+        return (n, 1), scheme
+    raise ValueError(
+        f"{where} has shape {list(scale.shape)}: not a {scheme.weight_scale} scale for weight [{n}, {k}] "
+        f"(expected {'[1]' if scheme.weight_scale == 'tensor' else [n, 1]})"
+    )
+
+
+def _check_weight(checkpoint: Checkpoint, module: str, weight_name: str) -> torch.dtype:
+    info = checkpoint.info(weight_name)
+    if info.dtype not in FP8_WEIGHT_DTYPES:
+        raise ValueError(
+            f"{checkpoint.where[weight_name].path.name}: {weight_name} is {info.dtype} {list(info.shape)}, "
+            f"but the checkpoint quantizes module {module!r}: expected an FP8 weight"
+        )
+    return info.dtype
+
+
+def _add_scalar(checkpoint: Checkpoint, plan: CheckpointPlan, stored: str, canonical: str) -> None:
+    info = checkpoint.info(stored)
+    if len(info.shape) > 1 or (info.shape and info.shape[0] != 1):
+        raise ValueError(
+            f"{checkpoint.where[stored].path.name}: {stored} has shape {list(info.shape)}, expected one value"
+        )
+    plan.tensors[canonical] = checkpoint.stored(stored, (1,))
+
+
+def _module_of(name: str, suffix: str) -> str:
+    return name[: -len(suffix)] if name.endswith(suffix) else name
+
+
+def _add_kv_scale(checkpoint: Checkpoint, plan: CheckpointPlan, key: str) -> bool:
+    """Maps the KV-cache scale spellings onto ``<attention>.k_scale`` / ``.v_scale``."""
+    for old, new in ((".k_proj.output_scale", ["k_scale"]), (".v_proj.output_scale", ["v_scale"])):
+        if key.endswith(old):
+            attention = key[: -len(old)]
+            for target in new:
+                _add_scalar(checkpoint, plan, key, f"{attention}.{target}")
+            return True
+    if key.endswith(".kv_scale"):  # older vLLM/AutoFP8: one scale for both
+        attention = _module_of(key, ".kv_scale")
+        _add_scalar(checkpoint, plan, key, attention + ".k_scale")
+        _add_scalar(checkpoint, plan, key, attention + ".v_scale")
+        return True
+    if key.endswith((".k_scale", ".v_scale")):
+        _add_scalar(checkpoint, plan, key, key)
+        return True
+    return False
+
+
+def _add_float(checkpoint: Checkpoint, plan: CheckpointPlan, key: str) -> None:
+    info = checkpoint.info(key)
+    if info.dtype in FP8_WEIGHT_DTYPES:
+        module = _module_of(key, ".weight")
+        raise ValueError(
+            f"{checkpoint.where[key].path.name}: {key} is an {info.dtype} {list(info.shape)} weight with no scale "
+            f"(missing {module}.weight_scale)"
+        )
+    plan.tensors[key] = checkpoint.stored(key)
+
+
+# ---------------------------------------------------------------- formats
+
+
+def _read_compressed_tensors(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
+    qc = checkpoint.quantization_config
+    groups = qc.get("config_groups") or {}
+    ignore = qc.get("ignore") or []
+    where = str(checkpoint.directory / "config.json")
+    modules = [_module_of(key, ".weight_scale") for key in checkpoint.where if key.endswith(".weight_scale")]
+    for module in modules:
+        if any(qconfig.matches(module, "Linear", target) for target in ignore):
+            raise ValueError(f"{where}: module {module!r} is in 'ignore' but the checkpoint holds its weight_scale")
+        group_name = next(
+            (g for g, group in groups.items() if any(qconfig.matches(module, "Linear", t) for t in group["targets"])),
+            None,
+        )
+        if group_name is None:
+            raise ValueError(f"{where}: module {module!r} has a weight_scale but matches no config_group's targets")
+        if module + ".weight" not in checkpoint.where:
+            raise ValueError(f"{checkpoint.where[module + '.weight_scale'].path.name}: {module}.weight is missing")
+        dtype = _check_weight(checkpoint, module, module + ".weight")
+        scheme = qconfig.group_to_scheme(groups[group_name], f"{where}: config_groups.{group_name}", dtype)
+        shape, scheme = _scale_shape(checkpoint, module, module + ".weight_scale", scheme)
+        plan.schemes[module] = scheme
+        plan.tensors[module + ".weight"] = checkpoint.stored(module + ".weight")
+        plan.tensors[module + ".weight_scale"] = checkpoint.stored(module + ".weight_scale", shape)
+        if scheme.activations == "static":
+            if module + ".input_scale" not in checkpoint.where:
+                raise ValueError(f"{where}: module {module!r} has static input activations but no input_scale")
+            _add_scalar(checkpoint, plan, module + ".input_scale", module + ".input_scale")
+    if qc.get("kv_cache_scheme"):
+        plan.kv_cache_dtype = torch.float8_e4m3fn
+    for key in checkpoint.where:
+        if key in plan.tensors or key.endswith(("_zero_point", ".input_scale")) and _module_of_any(key) in plan.schemes:
+            continue
+        if _add_kv_scale(checkpoint, plan, key):
+            continue
+        _add_float(checkpoint, plan, key)
+
+
+def _module_of_any(key: str) -> str:
+    return key.rsplit(".", 1)[0]
+
+
+def _read_fp8(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
+    qc = checkpoint.quantization_config
+    where = str(checkpoint.directory / "config.json")
+    block = qc.get("weight_block_size")
+    activation_scheme = qc.get("activation_scheme", "dynamic")
+    if activation_scheme not in ("static", "dynamic"):
+        raise ValueError(f"{where}: unknown activation_scheme {activation_scheme!r}; expected 'static' or 'dynamic'")
+    scale_suffix = ".weight_scale_inv" if block else ".weight_scale"
+    for key in list(checkpoint.where):
+        if not key.endswith(scale_suffix):
+            continue
+        module = _module_of(key, scale_suffix)
+        if module + ".weight" not in checkpoint.where:
+            raise ValueError(f"{checkpoint.where[key].path.name}: {module}.weight is missing (its {key} is present)")
+        dtype = _check_weight(checkpoint, module, module + ".weight")
+        if block:
+            scheme = QuantizationScheme(dtype, "block", formats._check_block_size(tuple(block)), "dynamic", "group")
+        else:
+            info = checkpoint.info(key)
+            granularity = "tensor" if len(info.shape) == 0 or info.shape == (1,) else "channel"
+            if activation_scheme == "static":
+                scheme = QuantizationScheme(dtype, granularity, (), "static", "tensor")
+            else:
+                scheme = QuantizationScheme(dtype, granularity, (), "dynamic", "tensor")
+        shape, scheme = _scale_shape(checkpoint, module, key, scheme)
+        plan.schemes[module] = scheme
+        plan.tensors[module + ".weight"] = checkpoint.stored(module + ".weight")
+        plan.tensors[module + ".weight_scale"] = checkpoint.stored(key, shape)
+        if scheme.activations == "static":
+            if module + ".input_scale" not in checkpoint.where:
+                raise ValueError(f"{where}: activation_scheme is 'static' but {module}.input_scale is missing")
+            _add_scalar(checkpoint, plan, module + ".input_scale", module + ".input_scale")
+    done = {stored.name for stored in plan.tensors.values()}
+    for key in checkpoint.where:
+        if key in done or key.endswith(".input_scale") and _module_of_any(key) in plan.schemes:
+            continue
+        if _add_kv_scale(checkpoint, plan, key):
+            plan.kv_cache_dtype = torch.float8_e4m3fn
+            continue
+        _add_float(checkpoint, plan, key)
+    if qc.get("kv_cache_scheme"):
+        plan.kv_cache_dtype = torch.float8_e4m3fn
+
+
+QUANTO_WEIGHT_TYPES = {
+    "qfloat8": torch.float8_e4m3fn,
+    "qfloat8_e4m3fn": torch.float8_e4m3fn,
+    "qfloat8_e5m2": torch.float8_e5m2,
+    "qfloat8_e4m3fnuz": torch.float8_e4m3fnuz,
+}
+
+
+def _read_quanto(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
+    where = str(checkpoint.directory / QUANTO_QMAP)
+    for module, entry in checkpoint.quanto_map.items():
+        weights, activations = entry.get("weights"), entry.get("activations", "none")
+        if weights not in QUANTO_WEIGHT_TYPES:
+            raise ValueError(
+                f"{where}: module {module!r} has quanto weights {weights!r}; qfp8 reads FP8 ones "
+                f"({sorted(QUANTO_WEIGHT_TYPES)})"
+            )
+        if activations not in ("none", None, "qfloat8", "qfloat8_e4m3fn"):
+            raise ValueError(f"{where}: module {module!r} has activations {activations!r}; qfp8 takes e4m3 or none")
+        data, scale = module + ".weight._data", module + ".weight._scale"
+        for key in (data, scale):
+            if key not in checkpoint.where:
+                raise ValueError(f"{where} quantizes module {module!r} but the checkpoint has no {key}")
+        info = checkpoint.info(data)
+        if info.dtype != QUANTO_WEIGHT_TYPES[weights]:
+            raise ValueError(f"{checkpoint.where[data].path.name}: {data} is {info.dtype}, {where} says {weights}")
+        numel = 1
+        for size in checkpoint.info(scale).shape:
+            numel *= size
+        static = activations not in ("none", None)
+        scheme = QuantizationScheme(
+            info.dtype, "tensor" if numel == 1 else "channel", (), "static" if static else None,
+            "tensor" if static else "token",
+        )  # fmt: skip
+        plan.schemes[module] = scheme
+        plan.tensors[module + ".weight"] = checkpoint.stored(data)
+        shape, _ = _scale_shape(checkpoint, module, scale, scheme, data)
+        plan.tensors[module + ".weight_scale"] = checkpoint.stored(scale, shape)
+        if static:
+            if module + ".input_scale" not in checkpoint.where:
+                raise ValueError(f"{where}: module {module!r} has activations {activations!r} but no input_scale")
+            _add_scalar(checkpoint, plan, module + ".input_scale", module + ".input_scale")
+    for key in checkpoint.where:
+        module = _module_of_any(_module_of(_module_of(key, "._data"), "._scale"))
+        if module in plan.schemes and key.endswith((".input_scale", ".output_scale", "._data", "._scale")):
+            continue  # quanto keeps input/output scales on every module; qfp8 uses the static input ones
+        _add_float(checkpoint, plan, key)
+
+
+def _read_float(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
+    for key in checkpoint.where:
+        _add_float(checkpoint, plan, key)
+
+
+def _check_plan(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
+    for key in [key for key in plan.tensors if key.endswith(IGNORED_SUFFIXES)]:
+        del plan.tensors[key]

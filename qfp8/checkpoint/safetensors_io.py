@@ -1,0 +1,278 @@
+"""Reading and writing safetensors files tensor by tensor, and atomic file replacement.
+
+A safetensors file is an 8-byte little-endian header length ``H``, a JSON
+header of ``H`` bytes (``{name: {dtype, shape, data_offsets: [begin, end]},
+"__metadata__": {str: str}}``, offsets relative to the end of the header),
+then the tensor bytes. qfp8 parses the header itself so that
+
+- loading maps the file (``UntypedStorage.from_file``, private mapping) and
+  hands out views of it: no copy of a weight is made;
+- streaming reads one tensor with ``pread`` into its own buffer, so pages of
+  tensors already processed do not stay in the process's memory;
+- writing streams one tensor at a time after a header computed up front,
+  so a shard is never held in memory whole;
+- a truncated or corrupt file raises ``ValueError`` naming the file, the
+  tensor and the sizes involved.
+
+Only safetensors is read: nothing here can unpickle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+class SafetensorsFile:
+    """The header of one safetensors file, and its tensors on demand."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if self.path.suffix in PICKLE_SUFFIXES:
+            raise ValueError(refuse_pickle_message(self.path))
+        try:
+            self.size = self.path.stat().st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.path}: no such safetensors file") from None
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(
+                    f"{self.path}: not a safetensors file ({self.size} bytes, shorter than its 8-byte header length)"
+                )
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(MAX_HEADER_BYTES, self.size - 8):
+                raise ValueError(
+                    f"{self.path}: header length {header_len} does not fit in the file ({self.size} bytes); "
+                    "the file is truncated or not safetensors"
+                )
+            raw = f.read(header_len)
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{self.path}: corrupt safetensors header ({header_len} bytes): {error}") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{self.path}: corrupt safetensors header: expected a JSON object")
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.data_start = 8 + header_len
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, entry in header.items():
+            self.tensors[name] = self._check_entry(name, entry)
+
+    def _check_entry(self, name: str, entry) -> TensorInfo:
+        try:
+            dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{self.path}: tensor {name!r} has a corrupt header entry {entry!r}") from None
+        if dtype_name not in DTYPES:
+            raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
+        dtype = DTYPES[dtype_name]
+        expected = math.prod(shape) * dtype.itemsize
+        if end - begin != expected or begin < 0:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} {dtype_name} {list(shape)} needs {expected} bytes, "
+                f"its header gives {end - begin} (offsets {begin}..{end})"
+            )
+        if self.data_start + end > self.size:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} {dtype_name} {list(shape)} ends at byte {self.data_start + end}, "
+                f"past the end of the file ({self.size} bytes); the file is truncated"
+            )
+        return TensorInfo(name, dtype, tuple(shape), self.data_start + begin, self.data_start + end)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        return self.tensors[name]
+
+    _storage = None
+
+    def get(self, name: str) -> torch.Tensor:
+        """A view of the memory-mapped file (private mapping: writes never reach the file)."""
+        info = self.info(name)
+        if self._storage is None:
+            self._storage = torch.UntypedStorage.from_file(str(self.path), shared=False, nbytes=self.size)
+        data = torch.empty(0, dtype=torch.uint8).set_(self._storage, info.begin, (info.nbytes,), (1,))
+        if info.begin % max(info.dtype.itemsize, 1):
+            data = data.clone()  # misaligned (not written by qfp8 or safetensors): copy the few bytes
+        return data.view(info.dtype).reshape(info.shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        """A fresh copy of one tensor, read with ``pread`` (no mapping kept)."""
+        info = self.info(name)
+        buffer = bytearray(info.nbytes)
+        with open(self.path, "rb") as f:
+            f.seek(info.begin)
+            got = f.readinto(buffer)
+        if got != info.nbytes:
+            raise ValueError(f"{self.path}: tensor {name!r}: read {got} of {info.nbytes} bytes; the file is truncated")
+        if not buffer:
+            return torch.empty(info.shape, dtype=info.dtype)
+        return torch.frombuffer(buffer, dtype=torch.uint8).view(info.dtype).reshape(info.shape)
+
+
+def refuse_pickle_message(path) -> str:
+    return (
+        f"{path}: refusing to load a pickle file (loading one can run arbitrary code); qfp8 reads only "
+        "safetensors. Convert it in a trusted environment (for example with transformers: "
+        "model.save_pretrained(dir, safe_serialization=True))"
+    )
+
+
+# ------------------------------------------------------------------ writing
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor to write: its header entry, and a callable giving its data when its turn comes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _ordered(tensors: Iterable[PlannedTensor]) -> list[PlannedTensor]:
+    # Larger elements first keeps every tensor aligned to its element size
+    # (the header is padded to 8 bytes), as safetensors' own writer does.
+    return sorted(tensors, key=lambda t: (-t.dtype.itemsize, t.name))
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Iterable[PlannedTensor], metadata: dict | None = None) -> None:
+    """Writes ``tensors`` to ``path`` one at a time (header first, computed from the plan)."""
+    planned = _ordered(tensors)
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for t in planned:
+        if t.dtype not in DTYPE_NAMES:
+            raise TypeError(f"tensor {t.name!r}: dtype {t.dtype} cannot be stored in safetensors")
+        header[t.name] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in planned:
+            value = t.produce()
+            if value.dtype != t.dtype or tuple(value.shape) != t.shape:
+                raise ValueError(
+                    f"tensor {t.name!r}: planned {t.dtype} {list(t.shape)}, produced {value.dtype} {list(value.shape)}"
+                )
+            value = value.detach().to("cpu").contiguous()
+            if value.numel():
+                f.write(memoryview(value.view(torch.uint8).reshape(-1).numpy()))
+            del value
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class AtomicDirectoryWrite:
+    """Files written under temporary names in ``directory``, renamed into place together at the end.
+
+    If anything fails before :meth:`commit`, the temporary files are removed
+    and the files already in ``directory`` (an older checkpoint) are left as
+    they were. ``stale`` files (an older checkpoint's shards that the new one
+    does not have) are removed after the renames.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.pending: dict[str, Path] = {}
+
+    def path_for(self, name: str) -> Path:
+        """A temporary path whose file becomes ``directory/name`` on commit."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.directory)
+        os.close(fd)
+        self.pending[name] = Path(tmp)
+        return Path(tmp)
+
+    def write_text(self, name: str, text: str) -> None:
+        path = self.path_for(name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def commit(self, stale: Iterable[str] = ()) -> None:
+        # Index and config last: a reader never sees an index naming shards
+        # that are not yet in place.
+        last = ("model.safetensors.index.json", "config.json")
+        order = sorted(self.pending, key=lambda name: name in last)
+        for name in order:
+            os.replace(self.pending[name], self.directory / name)
+        self.pending.clear()
+        for name in stale:
+            with contextlib.suppress(FileNotFoundError):
+                (self.directory / name).unlink()
+
+    def abort(self) -> None:
+        for tmp in self.pending.values():
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        self.pending.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.abort()
+        return False

@@ -1,0 +1,216 @@
+"""``save_pretrained``: a quantized model to a compressed-tensors ``float-quantized`` folder.
+
+The folder holds ``config.json`` (the model's config plus
+``quantization_config``), ``model.safetensors`` or shards with
+``model.safetensors.index.json``, and the tokenizer and generation files
+when the model came from a folder that has them (or ``tokenizer=`` is given).
+
+Tensors are written one at a time: a QLinear's canonical FP8 ``[N, K]``
+weight is unpacked from its kernel layout only when its turn comes. Every
+file goes to a temporary name first and all are renamed at the end, so a
+failed or interrupted save leaves an older checkpoint in the folder intact.
+
+Tied parameters (an ``lm_head`` sharing the embedding) are written once,
+under their first name, as transformers does; loading ties them again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qfp8.checkpoint import config as qconfig
+from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, PlannedTensor, write_safetensors
+from qfp8.nn import QLinear
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Files carried from the source folder into a saved checkpoint.
+CARRIED_FILES = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|chat_template\..*|"
+    r"generation_config\.json|preprocessor_config\.json)$"
+)
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` / ``"500MiB"`` / an int -> bytes."""
+    if isinstance(size, int) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(size))
+    if not match or (match.group(2).upper() or "B") not in _SIZE_UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"max_shard_size must be a positive size like '5GB' or an int of bytes, got {size!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper() or "B"])
+
+
+def _tensor_plan(name: str, tensor: torch.Tensor) -> PlannedTensor:
+    return PlannedTensor(name, tensor.dtype, tuple(tensor.shape), lambda: tensor.detach())
+
+
+def plan_model_tensors(model: nn.Module) -> list[PlannedTensor]:
+    """What ``model.state_dict()`` holds, as lazy entries (no weight unpacked yet), tied tensors once."""
+    plan: list[PlannedTensor] = []
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        prefix = module_name + "." if module_name else ""
+        if isinstance(module, QLinear):
+            plan.append(
+                PlannedTensor(
+                    prefix + "weight",
+                    module.scheme.weight_dtype,
+                    (module.out_features, module.in_features),
+                    module.canonical_weight,
+                )
+            )
+            extra = {"weight_scale": module.weight_scale, "input_scale": module.input_scale, "bias": module.bias}
+            plan += [_tensor_plan(prefix + key, value) for key, value in extra.items() if value is not None]
+            continue
+        tensors = list(module.named_parameters(recurse=False)) + [
+            (key, buffer)
+            for key, buffer in module.named_buffers(recurse=False)
+            if key not in module._non_persistent_buffers_set
+        ]
+        for key, tensor in tensors:
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            if tensor.device.type == "meta":
+                raise ValueError(
+                    f"save_pretrained: {prefix + key} {list(tensor.shape)} is on the meta device (never loaded)"
+                )
+            plan.append(_tensor_plan(prefix + key, tensor))
+    return plan
+
+
+def model_quantization_config(model: nn.Module) -> dict:
+    """The compressed-tensors ``quantization_config`` describing ``model``'s QLinears."""
+    schemes: dict[str, object] = {}
+    ignored: list[str] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if isinstance(module, QLinear):
+            schemes[name] = module.scheme
+        elif isinstance(module, nn.Linear):
+            ignored.append(name)
+    if not schemes:
+        raise ValueError("save_pretrained: the model has no QLinear; call qfp8.quantize(model, ...) first")
+    return qconfig.build_quantization_config(schemes, ignored, getattr(model, "qfp8_kv_cache_dtype", None))
+
+
+def _shards(plan: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for entry in plan:
+        if shards[-1] and size + entry.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    return shards
+
+
+def write_checkpoint(
+    directory: str | os.PathLike,
+    plan: list[PlannedTensor],
+    config: dict,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    extra_files: dict[str, Path] | None = None,
+    on_tensor: Callable[[PlannedTensor], None] | None = None,
+) -> list[str]:
+    """Writes ``plan`` in shards, ``config.json`` and ``extra_files`` atomically; returns the shard names."""
+    max_bytes = parse_size(max_shard_size)
+    names = [entry.name for entry in plan]
+    if len(set(names)) != len(names):
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"write_checkpoint: tensor names written twice: {duplicates[:5]}")
+    shards = _shards(plan, max_bytes)
+    if len(shards) == 1:
+        shard_names = [SINGLE_NAME]
+    else:
+        shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    directory = Path(directory)
+    old = {p.name for p in directory.glob("model*.safetensors")} | {INDEX_NAME} if directory.is_dir() else set()
+    with AtomicDirectoryWrite(directory) as out:
+        for shard_name, shard in zip(shard_names, shards, strict=True):
+            if on_tensor is not None:
+                shard = [_with_callback(entry, on_tensor) for entry in shard]
+            write_safetensors(out.path_for(shard_name), shard, metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(entry.nbytes for entry in plan)},
+                "weight_map": {
+                    entry.name: name for name, shard in zip(shard_names, shards, strict=True) for entry in shard
+                },
+            }
+            out.write_text(INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        for name, source in (extra_files or {}).items():
+            shutil.copyfile(source, out.path_for(name))
+        out.write_text("config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+        out.commit(stale=sorted(old - set(shard_names) - ({INDEX_NAME} if len(shards) > 1 else set())))
+    return shard_names
+
+
+def _with_callback(entry: PlannedTensor, callback) -> PlannedTensor:
+    def produce():
+        value = entry.produce()
+        callback(entry)
+        return value
+
+    return PlannedTensor(entry.name, entry.dtype, entry.shape, produce)
+
+
+def carried_files(source: str | os.PathLike | None) -> dict[str, Path]:
+    """Tokenizer and generation files of a source folder, by name."""
+    if not source or not Path(source).is_dir():
+        return {}
+    return {p.name: p for p in sorted(Path(source).iterdir()) if p.is_file() and CARRIED_FILES.match(p.name)}
+
+
+def model_config_dict(model: nn.Module) -> dict:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return {}
+    as_dict = config.to_dict()
+    as_dict.pop("quantization_config", None)
+    return as_dict
+
+
+def save_pretrained(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    tokenizer=None,
+) -> Path:
+    """Saves a quantized model as a compressed-tensors ``float-quantized`` checkpoint (vLLM/transformers load it).
+
+    Tokenizer and generation files come from ``tokenizer`` if given, else from
+    the folder the model was loaded from (``config._name_or_path``) when it has them.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_pretrained takes an nn.Module, got {type(model).__name__}")
+    config = model_config_dict(model)
+    config["quantization_config"] = model_quantization_config(model)
+    plan = plan_model_tensors(model)
+    source = getattr(model, "qfp8_source", None) or config.get("_name_or_path")
+    extra = carried_files(source)
+    with tempfile.TemporaryDirectory() as scratch:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(scratch)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None and hasattr(generation_config, "to_json_string"):
+            Path(scratch, "generation_config.json").write_text(generation_config.to_json_string())
+        extra.update(carried_files(scratch))
+        write_checkpoint(directory, plan, config, max_shard_size, extra)
+    return Path(directory)

@@ -1,0 +1,52 @@
+"""Shared helpers for the checkpoint tests: a tiny random Llama, fast to build and run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="checkpoint tests build transformers models")
+
+
+def tiny_config(**overrides):
+    settings = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    return transformers.LlamaConfig(**settings)
+
+
+def tiny_model(dtype=torch.float32, seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(**overrides), dtype=dtype)
+    return model.eval()
+
+
+def tokens(seed=1, batch=2, length=12):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (batch, length), generator=generator)
+
+
+class Tiny:
+    """The helpers above, as a fixture (tests are imported with --import-mode=importlib)."""
+
+    config = staticmethod(tiny_config)
+    model = staticmethod(tiny_model)
+    tokens = staticmethod(tokens)
+
+
+@pytest.fixture
+def tiny():
+    return Tiny
+
+
+@pytest.fixture
+def x():
+    return tokens()

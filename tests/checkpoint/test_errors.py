@@ -1,0 +1,131 @@
+"""Bad input: every error names the file, the tensor and the sizes involved; pickle is never loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import qfp8
+
+
+@pytest.fixture
+def saved(tiny, tmp_path):
+    model = tiny.model()
+    qfp8.quantize(model, weight_scale="channel")
+    qfp8.save_pretrained(model, tmp_path)
+    return tmp_path
+
+
+def _rewrite(directory, change):
+    tensors = load_file(directory / "model.safetensors")
+    change(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_pickle_files_are_refused(saved, monkeypatch):
+    (saved / "model.safetensors").unlink()
+    torch.save({"x": torch.zeros(1)}, saved / "pytorch_model.bin")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was called"))
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin: refusing to load a pickle"):
+        qfp8.from_pretrained(saved)
+    with pytest.raises(ValueError, match="refusing to load a pickle"):
+        qfp8.from_pretrained(saved / "pytorch_model.bin")
+
+
+def test_truncated_file(saved):
+    path = saved / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors: tensor '.*' .* ends at byte \d+, past the end of the file \(\d+ bytes\)"
+    ):
+        qfp8.from_pretrained(saved)
+
+
+def test_corrupt_header(saved):
+    path = saved / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:20] = b"not json at!"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"model\.safetensors: corrupt safetensors header"):
+        qfp8.from_pretrained(saved)
+    path.write_bytes(b"\x00\x01")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a safetensors file \(2 bytes"):
+        qfp8.from_pretrained(saved)
+
+
+def test_missing_scale(saved):
+    _rewrite(saved, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"))
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.1\.mlp\.up_proj\.weight is an torch\.float8_e4m3fn \[128, 64\] weight with no scale",
+    ):
+        qfp8.from_pretrained(saved)
+
+
+def test_scale_shape_mismatch(saved):
+    _rewrite(saved, lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": torch.ones(64, 1)}))
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_scale has shape \[64, 1\].*\[128, 64\]"
+    ):
+        qfp8.from_pretrained(saved)
+
+
+def test_weight_shape_mismatch(saved):
+    def change(t):
+        t["model.layers.0.mlp.up_proj.weight"] = torch.zeros(96, 64).to(torch.float8_e4m3fn)
+        t["model.layers.0.mlp.up_proj.weight_scale"] = torch.ones(96, 1)
+
+    _rewrite(saved, change)
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' has shape \[96, 64\], the model expects \[128, 64\]",
+    ):
+        qfp8.from_pretrained(saved)
+
+
+def test_dtype_mismatch(saved):
+    _rewrite(saved, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64)}))
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.mlp\.up_proj\.weight is torch\.float32 \[128, 64\].*expected an FP8 weight",
+    ):
+        qfp8.from_pretrained(saved)
+    _rewrite(saved, lambda t: t.update({"model.norm.weight": torch.zeros(64, dtype=torch.int32),
+                                         "model.layers.0.mlp.up_proj.weight": torch.zeros(128, 64).to(torch.float8_e4m3fn)}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"tensor 'model\.norm\.weight' is torch\.int32, the model expects"):
+        qfp8.from_pretrained(saved)
+
+
+def test_unknown_quant_method(saved):
+    config = json.loads((saved / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: unknown quant_method 'gptq'"):
+        qfp8.from_pretrained(saved)
+
+
+def test_float_checkpoint_and_missing_tensor(tiny, saved, tmp_path_factory):
+    _rewrite(saved, lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) the model needs: model\.norm\.weight"):
+        qfp8.from_pretrained(saved)
+    float_dir = tmp_path_factory.mktemp("float")
+    tiny.model().save_pretrained(float_dir)
+    with pytest.raises(ValueError, match="has no quantization_config"):
+        qfp8.from_pretrained(float_dir)
+
+
+def test_bad_arguments(tiny, tmp_path):
+    with pytest.raises(ValueError, match="has no QLinear"):
+        qfp8.save_pretrained(tiny.model(), tmp_path)
+    with pytest.raises(TypeError, match="takes an nn.Module"):
+        qfp8.save_pretrained({"a": 1}, tmp_path)
+    model = tiny.model()
+    qfp8.quantize(model)
+    with pytest.raises(ValueError, match="max_shard_size"):
+        qfp8.save_pretrained(model, tmp_path, max_shard_size="lots")
+    with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
+        qfp8.from_pretrained(tmp_path / "nowhere")

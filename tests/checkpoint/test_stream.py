@@ -1,0 +1,126 @@
+"""Streaming quantization (``qfp8 quantize``) and ``qfp8 inspect``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import qfp8
+from qfp8.cli import main
+
+CASES = {
+    "channel": ["--weight-scale", "channel"],
+    "tensor-a-token": ["--weight-scale", "tensor", "--activations", "dynamic"],
+    "block": ["--weight-scale", "block", "--block-size", "32", "32"],
+}
+KWARGS = {
+    "channel": dict(weight_scale="channel"),
+    "tensor-a-token": dict(weight_scale="tensor", activations="dynamic"),
+    "block": dict(weight_scale="block", block_size=(32, 32)),
+}
+
+
+def _tensors(path):
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASES.keys())
+def test_stream_equals_in_memory_bitwise(tiny, tmp_path, case):
+    source = tmp_path / "float"
+    tiny.model(torch.bfloat16).save_pretrained(source, max_shard_size="100KB")  # sharded source
+    assert (source / "model.safetensors.index.json").exists()
+    assert (
+        main(
+            [
+                "quantize",
+                str(source),
+                str(tmp_path / "stream"),
+                "--no-progress",
+                "--max-shard-size",
+                "90KB",
+                *CASES[case],
+            ]
+        )
+        == 0
+    )
+    model = tiny.model(torch.bfloat16)
+    qfp8.quantize(model, **KWARGS[case])
+    qfp8.save_pretrained(model, tmp_path / "memory")
+    streamed, in_memory = _tensors(tmp_path / "stream"), _tensors(tmp_path / "memory")
+    assert streamed.keys() == in_memory.keys()
+    for key, value in in_memory.items():
+        assert streamed[key].dtype == value.dtype, key
+        assert torch.equal(streamed[key].view(torch.uint8), value.view(torch.uint8)), key
+    streamed_qc = json.loads((tmp_path / "stream" / "config.json").read_text())["quantization_config"]
+    memory_qc = json.loads((tmp_path / "memory" / "config.json").read_text())["quantization_config"]
+    assert streamed_qc == memory_qc
+    assert len(list((tmp_path / "stream").glob("model-*.safetensors"))) > 1
+    x = tiny.tokens()
+    with torch.no_grad():
+        assert torch.equal(qfp8.from_pretrained(tmp_path / "stream")(x).logits, model(x).logits)
+
+
+def test_stream_refuses_static_and_quantized_sources(tiny, tmp_path):
+    source = tmp_path / "float"
+    tiny.model().save_pretrained(source)
+    with pytest.raises(ValueError, match="static activation scales need calibration"):
+        from qfp8.checkpoint.stream import stream_quantize
+
+        stream_quantize(source, tmp_path / "out", activations="static")
+    main(["quantize", str(source), str(tmp_path / "q"), "--no-progress"])
+    with pytest.raises(ValueError, match="already quantized"):
+        main(["quantize", str(tmp_path / "q"), str(tmp_path / "q2"), "--no-progress"])
+
+
+def test_stream_peak_rss_is_bounded_by_largest_tensor(tiny, tmp_path):
+    source = tmp_path / "float"
+    model = tiny.model(torch.float32, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, vocab_size=2048)
+    model.save_pretrained(source)
+    size = sum(p.stat().st_size for p in source.glob("*.safetensors"))
+    largest = max(p.numel() * 4 for p in model.parameters())
+    del model
+    script = textwrap.dedent(
+        f"""
+        import json, resource, sys
+        from qfp8.checkpoint import stream, readers
+        import transformers, torch  # imported before the baseline
+        stream._linear_names(readers.resolve({str(source)!r}))
+        def rss(field):
+            for line in open("/proc/self/status"):
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        open("/proc/self/clear_refs", "w").write("5")
+        base = rss("VmRSS:")
+        stream.stream_quantize({str(source)!r}, {str(tmp_path / "out")!r}, progress=False)
+        print(json.dumps({{"peak": rss("VmHWM:") - base}}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    peak = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+    print(f"float checkpoint {size / 1e6:.1f} MB, largest tensor {largest / 1e6:.1f} MB, peak RSS +{peak / 1e6:.1f} MB")
+    assert peak < 4 * largest + 16e6
+    assert peak < 0.5 * size
+
+
+def test_inspect(tiny, tmp_path, capsys):
+    model = tiny.model()
+    qfp8.quantize(model, weight_scale="block", block_size=(32, 32), activations="dynamic", activation_scale="group")
+    qfp8.save_pretrained(model, tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "format: compressed-tensors" in text
+    assert "model.layers.*.self_attn.q_proj" in text and "w-e4m3fn-block32x32 a-dynamic-group" in text
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["quantized_modules"] == 14 and sum(g["count"] for g in info["groups"]) == 14
+    assert info["kv_cache"]["dtype"] is None
