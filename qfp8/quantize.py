@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from qfp8 import formats
+from qfp8 import formats, rounding
 from qfp8.nn import QLinear, QuantizationScheme
 
 KV_CACHE_DTYPES = (None, "float8_e4m3fn", "float8_e5m2")
@@ -102,25 +102,42 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def quantize(
     model: nn.Module,
-    weights: str = "float8_e4m3fn",
+    weights: str | None = "float8_e4m3fn",
     weight_scale: str = "channel",
     activations: str | None = None,
     activation_scale: str = "token",
     kv_cache: str | None = None,
     exclude=("lm_head",),
     block_size=formats.DEFAULT_BLOCK_SIZE,
+    accuracy: str | None = None,
 ) -> QuantizeResult:
     """Replaces every matching ``nn.Linear`` of ``model`` by a ``QLinear`` (in place).
 
     Weights are quantized now and packed for their device's kernel; static
     activation scales still need :func:`calibrate`, then :func:`freeze`.
+    ``weights=None`` leaves every linear as it is (``kv_cache`` only).
+
+    ``accuracy``: None (round to nearest, ``scale = amax / fmax``), ``"scale"``
+    or ``"gptq"``: each weight is chosen again at the end of :func:`calibrate`
+    to minimise its layer's output error on the calibration inputs (see
+    ``qfp8/rounding.py``); the format is unchanged (FP8 weights with the same
+    kind of scales). Needs a calibration pass before :func:`freeze`, and keeps
+    the float weights in memory until then.
     Returns ``(model, report)``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize takes an nn.Module, got {type(model).__name__}")
-    scheme = QuantizationScheme.from_args(weights, weight_scale, activations, activation_scale, block_size)
     if kv_cache not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache {kv_cache!r}; expected one of {list(KV_CACHE_DTYPES)}")
+    if weights is None:
+        if kv_cache is None:
+            raise ValueError("quantize: weights=None and kv_cache=None leave nothing to quantize")
+        from qfp8.nn.kv_cache import enable_fp8_kv_cache
+
+        enable_fp8_kv_cache(model, formats.fp8_dtype(kv_cache))
+        return QuantizeResult(model, QuantizeReport())
+    scheme = QuantizationScheme.from_args(weights, weight_scale, activations, activation_scale, block_size)
+    rounding.check_mode(accuracy)
     if isinstance(exclude, str):
         exclude = (exclude,)
     for name, module in model.named_modules(remove_duplicate=False):
@@ -157,8 +174,8 @@ def quantize(
             )
 
     for entry in report.quantized:
-        qlinear = QLinear.from_linear(modules[entry.name], scheme, entry.name)
-        entry.scheme = scheme.describe()
+        qlinear = QLinear.from_linear(modules[entry.name], scheme, entry.name, accuracy=accuracy)
+        entry.scheme = scheme.describe() + (f" accuracy-{accuracy}" if accuracy else "")
         entry.kernel = qlinear.packing
         for name in [entry.name, *entry.aliases]:
             _set_submodule(model, name, qlinear)
@@ -210,11 +227,12 @@ def freeze(model: nn.Module) -> nn.Module:
     qlinears = _qlinears(model)
     if not qlinears:
         raise ValueError("freeze: the model has no QLinear; call qfp8.quantize(model, ...) first")
-    uncalibrated = [name for name, module in qlinears.items() if not module.is_calibrated]
+    uncalibrated = [name for name, module in qlinears.items() if not module.is_calibrated or module.accuracy_pending]
     if uncalibrated:
         shown = ", ".join(uncalibrated[:5]) + (f" and {len(uncalibrated) - 5} more" if len(uncalibrated) > 5 else "")
         raise RuntimeError(
-            f"freeze: {len(uncalibrated)} layer(s) with static activation scales were never calibrated ({shown}); "
+            f"freeze: {len(uncalibrated)} layer(s) with static activation scales or an accuracy mode were never "
+            f"calibrated ({shown}); "
             "run `with qfp8.calibrate(model): model(batch)` over calibration data first"
         )
     for module in qlinears.values():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qfp8 import formats
+from qfp8 import formats, rounding
 from qfp8.library import kernel_by_name, select_kernel
 from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest
 from qfp8.nn.scheme import QuantizationScheme
@@ -58,12 +58,25 @@ class QLinear(nn.Module):
         self.kernel_notes: list[str] = []
         self.calibrating = False
         self._calibration_amax: torch.Tensor | None = None
+        # Accuracy mode (qfp8/rounding.py): the float weight is kept until
+        # calibration has gathered H = sum x^T x, then re-quantized with it.
+        self.accuracy: str | None = None
+        self.register_buffer("float_weight", None, persistent=False)
+        self.register_buffer("hessian", None, persistent=False)
         self._use_kernel(REFERENCE_KERNEL)
 
     # ------------------------------------------------------------ building
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scheme: QuantizationScheme, name: str = "") -> QLinear:
-        """Quantizes ``linear``'s weight (refusing NaN/Inf) into a new QLinear."""
+    def from_linear(
+        cls, linear: nn.Linear, scheme: QuantizationScheme, name: str = "", accuracy: str | None = None
+    ) -> QLinear:
+        """Quantizes ``linear``'s weight (refusing NaN/Inf) into a new QLinear.
+
+        ``accuracy`` ("scale" or "gptq", see qfp8/rounding.py): the weight is
+        rounded to nearest now and chosen again, to minimise the output error,
+        at the end of :func:`qfp8.calibrate`.
+        """
+        rounding.check_mode(accuracy)
         weight = linear.weight.detach()
         if not torch.isfinite(weight).all():
             bad = int((~torch.isfinite(weight)).sum())
@@ -86,6 +99,9 @@ class QLinear(nn.Module):
         module.weight_scale = scale
         if linear.bias is not None:
             module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        if accuracy is not None:
+            module.accuracy = accuracy
+            module.float_weight = weight.clone()
         module.pack_for_device()
         return module
 
@@ -131,7 +147,10 @@ class QLinear(nn.Module):
 
     def _use_kernel(self, kernel) -> None:
         self.packing = kernel.name
-        self._kernel_op = kernel.op
+        # An OpOverloadPacket resolves its overload on every call; the
+        # overload itself goes straight to the dispatcher.
+        op = kernel.op
+        self._kernel_op = op.default if isinstance(op, torch._ops.OpOverloadPacket) else op
         self._extra_args = kernel.extra_args(self.kernel_request())
         self._bind_op()
 
@@ -179,11 +198,25 @@ class QLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.calibrating:
             return self._calibration_forward(x)
-        return self._op(x, self.qweight, self.weight_scale, self.bias, self.input_scale, *self._extra_args)
+        # Buffers read from their dicts directly: nn.Module.__getattr__ costs
+        # about a microsecond per lookup, a sizeable part of a small M=1 layer.
+        buffers = self._buffers
+        return self._op(
+            x,
+            buffers["qweight"],
+            buffers["weight_scale"],
+            self._parameters["bias"],
+            buffers["input_scale"],
+            *self._extra_args,
+        )
 
     def _calibration_forward(self, x: torch.Tensor) -> torch.Tensor:
         # The running maximum of every batch seen so far sets the scale used
         # now, so the layers downstream see this layer's quantization error.
+        if self.hessian is not None:
+            x2d = x.detach().reshape(-1, self.in_features).to(torch.float32)
+            x2d = torch.nan_to_num(x2d, nan=0.0, posinf=0.0, neginf=0.0)
+            self.hessian.addmm_(x2d.t(), x2d)
         if self.scheme.activations != "static":
             return self._op(x, self.qweight, self.weight_scale, self.bias, self.input_scale, *self._extra_args)
         amax = formats.activation_amax(x.reshape(-1, self.in_features), "tensor")
@@ -196,6 +229,10 @@ class QLinear(nn.Module):
     def start_calibration(self) -> None:
         self.calibrating = True
         self._calibration_amax = None
+        if self.float_weight is not None:
+            self.hessian = torch.zeros(
+                self.in_features, self.in_features, dtype=torch.float32, device=self.float_weight.device
+            )
 
     def end_calibration(self) -> None:
         self.calibrating = False
@@ -203,6 +240,31 @@ class QLinear(nn.Module):
             self.input_scale = formats.scale_from_amax(self._calibration_amax, self.scheme.activation_dtype)
         self._calibration_amax = None
         self._bind_op()
+        if self.hessian is not None:
+            self._requantize_for_accuracy()
+
+    @property
+    def accuracy_pending(self) -> bool:
+        """True while an accuracy-mode layer still waits for calibration data."""
+        return self.float_weight is not None
+
+    def _requantize_for_accuracy(self) -> None:
+        hessian, self.hessian = self.hessian, None
+        if not bool(hessian.diagonal().any()):
+            return  # no calibration batch reached this layer: keep waiting
+        qweight, scale = rounding.quantize_weight(
+            self.float_weight,
+            hessian,
+            self.accuracy,
+            self.scheme.weight_dtype,
+            self.scheme.weight_scale,
+            self.scheme.block_size or formats.DEFAULT_BLOCK_SIZE,
+        )
+        self.qweight = qweight.to(self.weight_scale.device)
+        self.weight_scale = scale.to(self.weight_scale.device)
+        self.float_weight = None
+        self._use_kernel(REFERENCE_KERNEL)
+        self.pack_for_device()
 
     # --------------------------------------------------------- state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):

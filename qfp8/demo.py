@@ -1,0 +1,162 @@
+"""``python -m qfp8 demo``: SmolLM2-135M-Instruct in bf16 and in FP8, side by side.
+
+For each scheme: the text generated for a prompt (greedy), decode speed,
+the bytes of the weights, and perplexity on a fixed ``pydoc_data`` slice (the
+first ``--ppl-windows`` windows of ``qfp8.evaluate``'s evaluation slice; the
+accuracy mode calibrates on its disjoint calibration slice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+import torch
+from torch import nn
+
+import qfp8
+from qfp8 import evaluate
+
+# name -> qfp8.quantize arguments (None: the bf16 model itself)
+SCHEMES: dict[str, dict | None] = {
+    "bf16": None,
+    "fp8-w8a16-channel": {"weight_scale": "channel"},
+    "fp8-w8a8-dynamic-token": {"weight_scale": "channel", "activations": "dynamic", "activation_scale": "token"},
+    "fp8-w8a8-static-tensor": {"weight_scale": "tensor", "activations": "static"},
+}
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local Hugging Face Llama-family folder (default: SmolLM2)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated, from {', '.join(SCHEMES)}")
+    parser.add_argument("--ppl-windows", type=int, default=1, help="pydoc_data windows for perplexity")
+    parser.add_argument("--window-length", type=int, default=256, help="tokens per perplexity window")
+    parser.add_argument(
+        "--accuracy",
+        choices=["none", "scale", "gptq"],
+        default="none",
+        help="qfp8 accuracy mode for the FP8 schemes (calibrates on a disjoint pydoc_data slice)",
+    )
+    parser.add_argument("--calibration-windows", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny run for tests: 4 tokens, one 64-token window")
+    parser.add_argument("--json", default=None, help="also write the results here")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's state dict as it would be saved (tied tensors counted once)."""
+    seen, total = set(), 0
+    for value in model.state_dict().values():
+        key = (value.data_ptr(), value.dtype, tuple(value.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        total += value.numel() * value.element_size()
+    return total
+
+
+def prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        text = prompt
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+
+def generate(model: nn.Module, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> tuple[str, float]:
+    """Greedy decoding; returns the new text and decode tokens/s (prefill timed apart)."""
+    with torch.inference_mode():
+        began = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        prefill = time.perf_counter() - began
+        began = time.perf_counter()
+        out = model.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+        elapsed = time.perf_counter() - began
+    new = out[0, ids.shape[1] :]
+    decode_steps = max(new.numel() - 1, 1)
+    return tokenizer.decode(new, skip_special_tokens=True), decode_steps / max(elapsed - prefill, 1e-9)
+
+
+def build(base: nn.Module, kwargs: dict | None, accuracy: str | None, calibration: torch.Tensor) -> nn.Module:
+    if kwargs is None:
+        return base
+    model = copy.deepcopy(base)
+    qfp8.quantize(model, accuracy=accuracy, **kwargs)
+    if kwargs.get("activations") == "static" or accuracy:
+        with qfp8.calibrate(model):
+            for window in calibration:
+                evaluate.logits_of(model, window[None])
+    return qfp8.freeze(model)
+
+
+def run(args: argparse.Namespace) -> int:
+    names = [name.strip() for name in args.schemes.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SCHEMES]
+    if unknown:
+        raise ValueError(f"demo: unknown scheme(s) {unknown}; expected from {list(SCHEMES)}")
+    if args.quick:
+        args.max_new_tokens, args.ppl_windows, args.window_length, args.calibration_windows = 4, 1, 64, 1
+    accuracy = None if args.accuracy == "none" else args.accuracy
+
+    began = time.perf_counter()
+    float_model, tokenizer = evaluate.load_model(args.model)
+    base = float_model.to(torch.bfloat16)
+    ids = prompt_ids(tokenizer, args.prompt)
+    windows = evaluate.evaluation_windows(tokenizer, args.ppl_windows, "pydoc_data", args.window_length)
+    calibration = evaluate.calibration_windows(tokenizer, args.calibration_windows, args.window_length)
+    print(
+        f"model {args.model or evaluate.SMOLLM2_GGUF} loaded in {time.perf_counter() - began:.1f} s; "
+        f"torch threads {torch.get_num_threads()}; perplexity on {args.ppl_windows} x {args.window_length} "
+        f"tokens of pydoc_data; accuracy mode: {args.accuracy}",
+        flush=True,
+    )
+    print(f"prompt: {args.prompt!r}\n", flush=True)
+
+    results = []
+    for name in names:
+        t = time.perf_counter()
+        model = build(base, SCHEMES[name], accuracy, calibration)
+        built = time.perf_counter() - t
+        text, tokens_per_s = generate(model, tokenizer, ids, args.max_new_tokens)
+        ppl = evaluate.perplexity(model, windows)
+        kernels = sorted({m.packing for m in model.modules() if isinstance(m, qfp8.QLinear)})
+        row = {
+            "scheme": name + (f"+{accuracy}" if accuracy and SCHEMES[name] else ""),
+            "weight_bytes": weight_bytes(model),
+            "perplexity": ppl,
+            "decode_tokens_per_s": tokens_per_s,
+            "kernel": ",".join(kernels) or "torch",
+            "text": text,
+            "build_seconds": built,
+        }
+        results.append(row)
+        print(f"[{row['scheme']}] {text!r}", flush=True)
+        del model
+
+    print()
+    header = ("scheme", "weight MB", "perplexity", "decode tok/s", "kernel")
+    lines = [
+        (r["scheme"], f"{r['weight_bytes'] / 1e6:.1f}", f"{r['perplexity']:.3f}", f"{r['decode_tokens_per_s']:.1f}")
+        + (r["kernel"],)
+        for r in results
+    ]
+    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
+    for line in [header, tuple("-" * w for w in widths), *lines]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+    print(f"\ntotal {time.perf_counter() - began:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model or evaluate.SMOLLM2_GGUF, "rows": results}, f, indent=2)
+    return 0

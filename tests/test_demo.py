@@ -1,0 +1,49 @@
+"""``python -m qfp8 demo`` end to end on a tiny local Llama (the --model PATH route), quick mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from qfp8 import demo, evaluate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_quick_prints_every_scheme(tmp_path):
+    folder = evaluate.save_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "demo.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(
+        [sys.executable, "-m", "qfp8", "demo", "--model", str(folder), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {row["scheme"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == list(demo.SCHEMES)
+    bf16 = rows["bf16"]["weight_bytes"]
+    for name, row in rows.items():
+        assert row["perplexity"] > 1 and row["decode_tokens_per_s"] > 0, row
+        assert name in result.stdout
+        if name != "bf16":
+            # Linear weights halve (bf16 -> FP8); the bf16 embedding stays.
+            assert row["weight_bytes"] < bf16
+    assert "decode tok/s" in result.stdout and "perplexity" in result.stdout
+
+
+def test_demo_refuses_an_unknown_scheme():
+    import argparse
+
+    import pytest
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    with pytest.raises(ValueError, match="unknown scheme"):
+        demo.run(parser.parse_args(["--schemes", "int4"]))
