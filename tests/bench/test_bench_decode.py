@@ -1,0 +1,50 @@
+"""bench/decode.py --quick runs end to end (CI) and writes a complete JSON report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytest.importorskip("transformers", reason="bench/decode.py runs a Hugging Face Llama")
+
+
+def test_decode_bench_quick_mode(tmp_path):
+    out = tmp_path / "decode.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "decode.py"), "--quick", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Greedy decode" in result.stdout and "Fast path" in result.stdout
+    report = json.loads(out.read_text())
+
+    rows = report["decode"]
+    assert {(r["scheme"], r["mode"]) for r in rows} == {
+        (scheme, mode) for scheme in ("bf16", "w8a16-channel") for mode in ("eager", "compiled")
+    }
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and row["ttft_s"] > 0 and row["peak_rss_bytes"] > 0
+        if row["scheme"] == "bf16":
+            assert row["tokens_per_s_ratio"] == 1.0 and row["weight_ratio"] == 1.0
+        else:
+            # FP8 Linear weights (plus float32 per-channel scales) are about half of bf16; the
+            # bf16 lm_head (excluded, as by default) weighs more in the tiny model than in real ones.
+            assert 0.5 < row["linear_weight_ratio"] < 0.65
+            assert row["weight_ratio"] < 1.0
+            assert row["kernels"] and all(k != "torch bf16" for k in row["kernels"])
+
+    fast_path = report["fast_path"]
+    assert [r["layer"] for r in fast_path] == ["q/o", "k/v", "gate/up", "down", "decoder layer (sum)"]
+    assert all(r["qlinear_us"] > 0 and r["op_us"] > 0 for r in fast_path)
