@@ -34,6 +34,7 @@ ISA_FLAGS = {
     "avx512bf16": AVX512_FLAGS + ["-mavx512bf16"],
 }
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno"]
+OPENMP_FLAGS = [] if sys.platform == "darwin" else ["-fopenmp"]
 
 
 def is_x86_64() -> bool:
@@ -82,7 +83,10 @@ def extension_modules():
         name="qfp8._C",
         sources=plain_sources,
         include_dirs=[os.path.join(ROOT, CPU_DIR)],
-        extra_compile_args={"cxx": COMMON_FLAGS},
+        # at::parallel_for is inline OpenMP code: without -fopenmp it runs on one thread.
+        # The extension then shares the libgomp.so.1 that torch has already loaded.
+        extra_compile_args={"cxx": COMMON_FLAGS + OPENMP_FLAGS},
+        extra_link_args=OPENMP_FLAGS,
     )
     ext.isa_sources = isa_sources
     return [ext, *cuda_extension_modules()], {"build_ext": BuildWithIsaFlags.with_options(use_ninja=True)}
