@@ -5,11 +5,12 @@ no Python work per call beyond what ``nn.Linear`` does. Checked three ways:
 the output is the bare op's, bit for bit; a profiler sees no Python call in
 ``forward`` but the op; and on SmolLM2-135M's layer shapes at M = 1 a
 QLinear call costs little more than the bare op call (median, interleaved).
-The target is 1.10x, not met: ``bench/decode.py``'s fast-path table measures
-1.12x over a decoder layer, and this test measured 1.15-1.17x inside the
-suite once the kernel ran on two threads (a faster op makes the fixed
-``nn.Module.__call__`` cost a larger share). It guards at 1.25x, so that a
-timing failure means a regression (a microsecond more per call), not noise.
+Over a SmolLM2 decoder layer's projections QLinear measured 1.055-1.095x
+the bare ``OpOverload`` call standalone once ``QLinear.__call__`` skipped
+``nn.Module.__call__`` (1.15-1.17x before); the smallest shape alone
+(576 -> 192) is still 1.11-1.15x. The test guards at 1.20x: timing inside
+the suite runs a few percent higher, and a timing failure must mean a
+regression (a microsecond more per call), not noise.
 """
 
 from __future__ import annotations
@@ -58,17 +59,7 @@ def test_forward_output_is_the_bare_op_output(scheme):
     assert isinstance(layer._op, torch._ops.OpOverload)
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES.values()), ids=list(SCHEMES))
-def test_forward_runs_no_python_function_but_the_op(scheme):
-    layer = make_layer(scheme)
-    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
-    received = []
-
-    def stand_in_op(*args):
-        received.append(args)
-        return args[0]
-
-    layer._op = stand_in_op
+def profiled_call_names(layer: QLinear, x: torch.Tensor) -> list[str]:
     called = []
 
     def profile(frame, event, arg):
@@ -80,11 +71,68 @@ def test_forward_runs_no_python_function_but_the_op(scheme):
         layer(x)
     finally:
         sys.setprofile(None)
-    # nn.Module.__call__'s own two frames (as for nn.Linear), forward, the op: no attribute
-    # lookup through nn.Module.__getattr__, no validation, no scale computation.
-    assert [name for name in called if name not in ("_wrapped_call_impl", "_call_impl")] == ["forward", "stand_in_op"]
+    return called
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES.values()), ids=list(SCHEMES))
+def test_call_runs_no_python_function_but_the_op(scheme):
+    layer = make_layer(scheme)
+    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    # The fast path calls the dispatcher entry behind the bound OpOverload.
+    assert layer._fast_op is layer._op._op
+    received = []
+
+    def stand_in_op(*args):
+        received.append(args)
+        return args[0]
+
+    layer._fast_op = stand_in_op
+    # QLinear.__call__, torch.compiler.is_compiling (and the is_scripting it
+    # asks), the op: not nn.Module's two frames, no forward frame, no
+    # nn.Module.__getattr__ lookup, no validation, no scale computation.
+    names = profiled_call_names(layer, x)
+    assert names[0] == "__call__" and names[-1] == "stand_in_op", names
+    assert set(names[1:-1]) <= {"is_compiling", "is_scripting"}, names
     assert len(received) == 1
     assert all(a is b for a, b in zip(received[0], bare_call_args(layer, x), strict=True))
+
+
+@pytest.mark.parametrize("hook_kind", ["forward", "forward_pre", "global_forward"])
+def test_hooks_take_the_regular_path(hook_kind):
+    layer = make_layer(QuantizationScheme())
+    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    seen = []
+    if hook_kind == "forward":
+        handle = layer.register_forward_hook(lambda mod, args, out: seen.append(out))
+    elif hook_kind == "forward_pre":
+        handle = layer.register_forward_pre_hook(lambda mod, args: seen.append(args))
+    else:
+        handle = nn.modules.module.register_module_forward_hook(lambda mod, args, out: seen.append(out))
+    try:
+        out = layer(x)
+        assert "forward" in profiled_call_names(layer, x)
+    finally:
+        handle.remove()
+    assert len(seen) == 2
+    assert torch.equal(out, layer._op(*bare_call_args(layer, x)))
+    # Hooks gone: the fast path again.
+    assert "forward" not in profiled_call_names(layer, x)
+
+
+def test_calibration_and_uncalibrated_layers_take_the_regular_path():
+    scheme = QuantizationScheme(activations="static", activation_scale="tensor")
+    layer = QLinear.from_linear(nn.Linear(96, 64).to(torch.bfloat16), scheme, "layer")
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="never calibrated"):
+        layer(x)
+    model = nn.Sequential(layer)
+    with qfp8.calibrate(model):
+        assert layer._fast_op is None
+        model(x)
+        assert layer.input_scale is None  # set when calibration ends, by the regular path's record
+    assert layer.input_scale is not None
+    assert layer._fast_op is not None
+    assert torch.equal(layer(x), layer._op(*bare_call_args(layer, x)))
 
 
 def overhead_ratio(calls: int) -> tuple[float, dict]:
@@ -133,7 +181,7 @@ def test_qlinear_call_overhead_on_smollm2_shapes():
     for _ in range(3):
         ratio, per_shape = overhead_ratio(calls=400)
         attempts.append((ratio, per_shape))
-        if ratio <= 1.25:
+        if ratio <= 1.20:
             break
     best = min(ratio for ratio, _ in attempts)
-    assert best <= 1.25, f"QLinear / bare op time over a SmolLM2 decoder layer: {attempts}"
+    assert best <= 1.20, f"QLinear / bare op time over a SmolLM2 decoder layer: {attempts}"
