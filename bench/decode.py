@@ -162,8 +162,19 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
     return total, linear
 
 
+def default_exclude(model: nn.Module) -> list[str]:
+    """Every Linear is quantized, lm_head included, unless lm_head shares its
+    weight with the input embedding (SmolLM2): quantizing it would then store
+    an FP8 copy beside the bf16 table the embedding still needs."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    return ["lm_head"] if tied else []
+
+
 def quantized_copy(model: nn.Module, scheme: dict, prompt: torch.Tensor, exclude) -> tuple[nn.Module, list[str]]:
     model = copy.deepcopy(model)
+    if exclude is None:
+        exclude = default_exclude(model)
     _, report = qfp8.quantize(model, exclude=exclude, **scheme)
     if scheme.get("activations") == "static":
         with qfp8.calibrate(model):
@@ -457,7 +468,12 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians over them")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode (default: inductor's default)")
-    parser.add_argument("--exclude", nargs="*", default=["lm_head"], help="qfp8.quantize exclude patterns")
+    parser.add_argument(
+        "--exclude",
+        nargs="*",
+        default=None,
+        help="qfp8.quantize exclude patterns (default: lm_head only when it is tied to the embedding)",
+    )
     parser.add_argument("--fast-path-calls", type=int, default=2000, help="calls per shape for the fast-path table")
     parser.add_argument("--no-fast-path", action="store_true", help="skip the fast-path table")
     parser.add_argument("--quick", action="store_true", help="CI: tiny random Llama, short prompt, few tokens")
