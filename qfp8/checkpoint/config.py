@@ -11,7 +11,10 @@ and transformers load natively:
   dynamic ``token`` / ``tensor`` / ``group`` (``group_size`` 128), or static
   ``tensor`` (the checkpoint then holds ``input_scale``).
 - ``kv_cache_scheme``: FP8 per-tensor static, with ``k_scale``/``v_scale``
-  per attention module.
+  per attention module. Its args cannot say e5m2 (compressed-tensors forbids
+  extra fields there), so a cache stored in another FP8 type than e4m3fn is
+  named by a top-level ``qfp8_kv_cache_dtype`` key (``quantization_config``
+  ignores unknown keys). Without it the cache is e4m3fn.
 
 compressed-tensors' float type is e4m3fn only; weights stored as e5m2 or
 e4m3fnuz keep their dtype in the safetensors header, which is where qfp8's
@@ -67,6 +70,20 @@ def kv_cache_scheme(dtype: torch.dtype | None) -> dict | None:
     return _float_args("tensor", False)
 
 
+KV_DTYPE_KEY = "qfp8_kv_cache_dtype"
+
+
+def kv_cache_dtype(qc: dict, where: str) -> torch.dtype | None:
+    """The FP8 dtype of a ``quantization_config``'s KV cache (None: no FP8 cache)."""
+    if not qc.get("kv_cache_scheme"):
+        return None
+    name = qc.get(KV_DTYPE_KEY, "float8_e4m3fn")
+    try:
+        return formats.fp8_dtype(name)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{where}: {KV_DTYPE_KEY} {name!r} is not an FP8 dtype") from error
+
+
 def build_quantization_config(
     schemes: dict[str, QuantizationScheme], ignored: list[str], kv_cache_dtype: torch.dtype | None
 ) -> dict:
@@ -78,7 +95,7 @@ def build_quantization_config(
         groups = {"group_0": scheme_to_group(next(iter(by_scheme)), ["Linear"])}
     else:
         groups = {f"group_{i}": scheme_to_group(s, names) for i, (s, names) in enumerate(by_scheme.items())}
-    return {
+    config = {
         "quant_method": QUANT_METHOD,
         "format": FLOAT_FORMAT,
         "quantization_status": "compressed",
@@ -88,6 +105,9 @@ def build_quantization_config(
         "global_compression_ratio": None,
         "sparsity_config": {},
     }
+    if kv_cache_dtype is not None and kv_cache_dtype != torch.float8_e4m3fn:
+        config[KV_DTYPE_KEY] = str(kv_cache_dtype).removeprefix("torch.")
+    return config
 
 
 # ------------------------------------------------------------------ reading

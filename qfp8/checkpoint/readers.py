@@ -333,8 +333,7 @@ def _read_compressed_tensors(checkpoint: Checkpoint, plan: CheckpointPlan) -> No
             if module + ".input_scale" not in checkpoint.where:
                 raise ValueError(f"{where}: module {module!r} has static input activations but no input_scale")
             _add_scalar(checkpoint, plan, module + ".input_scale", module + ".input_scale")
-    if qc.get("kv_cache_scheme"):
-        plan.kv_cache_dtype = torch.float8_e4m3fn
+    plan.kv_cache_dtype = qconfig.kv_cache_dtype(qc, where)
     for key in checkpoint.where:
         if key in plan.tensors or key.endswith(("_zero_point", ".input_scale")) and _module_of_any(key) in plan.schemes:
             continue
@@ -388,7 +387,7 @@ def _read_fp8(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
             continue
         _add_float(checkpoint, plan, key)
     if qc.get("kv_cache_scheme"):
-        plan.kv_cache_dtype = torch.float8_e4m3fn
+        plan.kv_cache_dtype = qconfig.kv_cache_dtype(qc, where)
 
 
 QUANTO_WEIGHT_TYPES = {

@@ -12,9 +12,20 @@ shards are written with their header first (scales are small; weights are
 not kept). The result is bit-identical to ``qfp8.quantize`` on the loaded
 model followed by ``qfp8.save_pretrained``.
 
-Static activation scales and FP8 KV-cache scales need the model run on
-calibration data, which this streaming path does not do: quantize those in
-memory (``qfp8.quantize`` + ``qfp8.calibrate`` + ``qfp8.save_pretrained``).
+Static activation scales (``--activations static``) and FP8 KV-cache scales
+(``--kv-cache``) need the model run on calibration text. For Llama-family
+checkpoints that runs first, one decoder layer at a time (see
+``qfp8/checkpoint/layerwise.py``): at most one layer's float weights are in
+memory, plus the hidden states of the calibration tokens. The text is
+``--calibration FILE``, or by default a fixed slice of ``pydoc_data``
+(``layerwise.DEFAULT_TEXT_OFFSET``), tokenized with the tokenizer in SRC
+without special tokens; its first ``--calibration-tokens`` (512) tokens are
+cut into rows of up to 512, run as one batch (or ``--calibration-batch-size``
+rows at a time). ``--calibration-ids FILE`` gives token ids instead. The
+scales (``input_scale``, ``k_scale``/``v_scale``, float32 ``[1]``) are the
+ones ``qfp8.quantize`` + ``qfp8.calibrate`` over the same batches on the
+whole model followed by ``qfp8.save_pretrained`` write, bit for bit. Each
+calibrated layer's weights are read once more for it.
 """
 
 from __future__ import annotations
@@ -29,10 +40,12 @@ import torch
 
 from qfp8 import formats
 from qfp8.checkpoint import config as qconfig
+from qfp8.checkpoint import layerwise
 from qfp8.checkpoint.readers import open_checkpoint
 from qfp8.checkpoint.safetensors_io import PlannedTensor
 from qfp8.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, carried_files, write_checkpoint
 from qfp8.nn.scheme import QuantizationScheme
+from qfp8.quantize import KV_CACHE_DTYPES
 
 CHUNK_ROWS = 1024  # rows quantized at once: bounds the float32 temporaries
 
@@ -97,19 +110,43 @@ def stream_quantize(
     block_size=formats.DEFAULT_BLOCK_SIZE,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
+    kv_cache: str | None = None,
+    calibration: str | os.PathLike | None = None,
+    calibration_ids: torch.Tensor | None = None,
+    calibration_tokens: int = layerwise.DEFAULT_TOKENS,
+    calibration_batch_size: int | None = None,
 ) -> dict:
-    """Quantizes the float checkpoint ``src`` into ``dst``; returns a summary (counts and bytes)."""
-    if activations == "static":
-        raise ValueError(
-            "static activation scales need calibration, which streaming quantization does not run; use "
-            "--activations dynamic, or quantize in memory with qfp8.quantize + qfp8.calibrate + qfp8.save_pretrained"
-        )
+    """Quantizes the float checkpoint ``src`` into ``dst``; returns a summary (counts and bytes).
+
+    With ``activations="static"`` or ``kv_cache`` (``"float8_e4m3fn"`` /
+    ``"float8_e5m2"``), a Llama-family checkpoint is calibrated layer by layer
+    first, on ``calibration_ids`` (token ids ``[rows, T]``, or a 1-D stream cut
+    into rows of up to 512) or else on the first ``calibration_tokens`` tokens
+    of the text file ``calibration`` (default: a fixed slice of pydoc_data),
+    tokenized with the tokenizer in ``src``; ``calibration_batch_size`` rows
+    are run at a time (default: all). Otherwise the calibration arguments are
+    not used.
+    """
     scheme = QuantizationScheme.from_args(weights, weight_scale_granularity, activations, activation_scale, block_size)
+    if kv_cache not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache {kv_cache!r}; expected one of {list(KV_CACHE_DTYPES)}")
     checkpoint = open_checkpoint(src)
     plan = checkpoint.plan()
     if plan.format != "float":
         raise ValueError(
             f"{checkpoint.directory}: already quantized ({plan.format}); qfp8 quantize takes a float checkpoint"
+        )
+    needs_calibration = scheme.activations == "static" or kv_cache is not None
+    if needs_calibration:
+        layerwise.check_architecture(checkpoint.config, checkpoint.directory)
+        if calibration_ids is None:
+            text = None if calibration is None else Path(calibration).read_text()
+            tokenizer = layerwise.load_tokenizer(checkpoint.directory)
+            calibration_ids = layerwise.text_token_ids(tokenizer, text, calibration_tokens)
+        calibration_ids = layerwise.calibration_rows(
+            calibration_ids,
+            checkpoint.config.get("vocab_size") or sys.maxsize,
+            checkpoint.config.get("max_position_embeddings"),
         )
     linears = _linear_names(checkpoint.directory)
     quantized, ignored = {}, []
@@ -122,8 +159,34 @@ def stream_quantize(
             raise ValueError(f"{stored.file.path}: {stored.name} is {stored.file.info(stored.name).dtype}, not float")
         quantized[name] = scheme
 
+    calibrated: dict[str, torch.Tensor] = {}
+    if needs_calibration:
+        quantize_args = dict(
+            weights=weights,
+            weight_scale=weight_scale_granularity,
+            activations=activations,
+            activation_scale=activation_scale,
+            block_size=block_size,
+            kv_cache=kv_cache,
+        )
+        bar = _progress(0, progress, desc="calibrate", unit="layer")
+        try:
+            calibrated = layerwise.calibrate_layerwise(
+                plan, quantized, quantize_args, calibration_ids, calibration_batch_size, on_step=bar
+            )
+        finally:
+            bar(None, None)
+    # k_scale / v_scale go out with the first tensor of their attention module.
+    kv_scales: dict[str, list[str]] = {}
+    for name in calibrated:
+        if name.endswith((".k_scale", ".v_scale")):
+            kv_scales.setdefault(name.rpartition(".")[0], []).append(name)
+
     out: list[PlannedTensor] = []
     scales: dict[str, torch.Tensor] = {}
+
+    def scalar(name: str) -> PlannedTensor:
+        return PlannedTensor(name, torch.float32, (1,), lambda: calibrated[name])
 
     def scale_of(module: str) -> torch.Tensor:
         if module not in scales:
@@ -154,11 +217,20 @@ def stream_quantize(
                 )
             )
             out.append(PlannedTensor(module + ".weight_scale", torch.float32, shape, lambda m=module: scale_of(m)))
+            if module + ".input_scale" in calibrated:
+                out.append(scalar(module + ".input_scale"))
         else:
             out.append(PlannedTensor(key, info.dtype, info.shape, lambda key=key: plan.load(key, mmap=False)))
+        parts = key.split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            attention = ".".join(parts[:end])
+            if attention in kv_scales:
+                out += [scalar(name) for name in kv_scales.pop(attention)]
+    out += [scalar(name) for names in kv_scales.values() for name in names]
 
     config = dict(checkpoint.config)
-    config["quantization_config"] = qconfig.build_quantization_config(quantized, ignored, None)
+    kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
+    config["quantization_config"] = qconfig.build_quantization_config(quantized, ignored, kv_dtype)
     bar = _progress(sum(t.nbytes for t in out), progress)
     try:
         shards = write_checkpoint(
@@ -166,21 +238,32 @@ def stream_quantize(
         )
     finally:
         bar(None)
-    return {"quantized": len(quantized), "ignored": len(ignored), "shards": shards, "bytes": sum(t.nbytes for t in out)}
+    return {
+        "quantized": len(quantized),
+        "ignored": len(ignored),
+        "shards": shards,
+        "bytes": sum(t.nbytes for t in out),
+        "calibrated": len(calibrated),
+        "calibration_tokens": calibration_ids.numel() if needs_calibration else 0,
+    }
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str = "quantize", unit: str = "B"):
+    """An update function for a tqdm bar: ``update(n)`` adds ``n``; ``update(done, total)`` sets both; None closes."""
     if not enabled:
-        return lambda n: None
+        return lambda *args: None
     try:
         from tqdm import tqdm
     except ImportError:
-        return lambda n: None
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="quantize", file=sys.stderr)
+        return lambda *args: None
+    bar = tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=desc, file=sys.stderr)
 
-    def update(n):
+    def update(n, total=None):
         if n is None:
             bar.close()
+        elif total is not None:
+            bar.total = total
+            bar.update(n - bar.n)
         else:
             bar.update(n)
 
@@ -195,8 +278,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-size", type=int, nargs=2, default=list(formats.DEFAULT_BLOCK_SIZE), metavar=("BN", "BK")
     )
-    parser.add_argument("--activations", default=None, choices=["dynamic"], help="default: weights only (W8A16)")
-    parser.add_argument("--activation-scale", default="token", choices=formats.ACTIVATION_GRANULARITIES)
+    parser.add_argument(
+        "--activations",
+        default=None,
+        choices=["dynamic", "static"],
+        help="default: weights only (W8A16); static calibrates per-tensor input scales (Llama family)",
+    )
+    parser.add_argument(
+        "--activation-scale",
+        default="token",
+        choices=formats.ACTIVATION_GRANULARITIES,
+        help="dynamic scales' granularity; static scales are per tensor",
+    )
+    parser.add_argument(
+        "--kv-cache",
+        default=None,
+        choices=[name for name in KV_CACHE_DTYPES if name],
+        help="FP8 KV cache with calibrated k_scale/v_scale per attention layer (Llama family)",
+    )
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="calibration text file (default: a fixed slice of Python's pydoc_data topics), tokenized with SRC's "
+        "tokenizer",
+    )
+    parser.add_argument(
+        "--calibration-ids",
+        default=None,
+        metavar="FILE",
+        help="calibration token ids instead of text: whitespace-separated integers, one sequence per line "
+        "(one line: a stream cut into rows of up to 512)",
+    )
+    parser.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=layerwise.DEFAULT_TOKENS,
+        metavar="N",
+        help="tokens of calibration text, cut into rows of up to 512 (a shorter remainder is dropped); default 512",
+    )
+    parser.add_argument(
+        "--calibration-batch-size", type=int, default=None, metavar="ROWS", help="rows run at a time (default: all)"
+    )
     parser.add_argument("--exclude", nargs="*", default=["lm_head"], help="fnmatch patterns of modules kept in float")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE)
     parser.add_argument("--no-progress", action="store_true")
@@ -214,9 +337,19 @@ def run(args: argparse.Namespace) -> int:
         block_size=tuple(args.block_size),
         max_shard_size=args.max_shard_size,
         progress=not args.no_progress,
+        kv_cache=args.kv_cache,
+        calibration=args.calibration,
+        calibration_ids=None if args.calibration_ids is None else layerwise.read_token_ids(args.calibration_ids),
+        calibration_tokens=args.calibration_tokens,
+        calibration_batch_size=args.calibration_batch_size,
+    )
+    calibrated = (
+        f", {summary['calibrated']} static scales calibrated on {summary['calibration_tokens']} tokens"
+        if summary["calibrated"]
+        else ""
     )
     print(
-        f"{args.dst}: {summary['quantized']} linear layers quantized, {summary['ignored']} kept in float, "
-        f"{len(summary['shards'])} shard(s), {summary['bytes'] / 1e6:.1f} MB"
+        f"{args.dst}: {summary['quantized']} linear layers quantized, {summary['ignored']} kept in float"
+        f"{calibrated}, {len(summary['shards'])} shard(s), {summary['bytes'] / 1e6:.1f} MB"
     )
     return 0

@@ -108,6 +108,17 @@ def test_unknown_quant_method(saved):
         qfp8.from_pretrained(saved)
 
 
+def test_unknown_kv_cache_dtype(saved):
+    from qfp8.checkpoint import config as qconfig
+
+    config = json.loads((saved / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = qconfig.kv_cache_scheme(torch.float8_e4m3fn)
+    config["quantization_config"]["qfp8_kv_cache_dtype"] = "int8"
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: qfp8_kv_cache_dtype 'int8' is not an FP8 dtype"):
+        qfp8.from_pretrained(saved)
+
+
 def test_float_checkpoint_and_missing_tensor(tiny, saved, tmp_path_factory):
     _rewrite(saved, lambda t: t.pop("model.norm.weight"))
     with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) the model needs: model\.norm\.weight"):

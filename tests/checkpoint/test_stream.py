@@ -70,13 +70,9 @@ def test_stream_equals_in_memory_bitwise(tiny, tmp_path, case):
         assert torch.equal(qfp8.from_pretrained(tmp_path / "stream")(x).logits, model(x).logits)
 
 
-def test_stream_refuses_static_and_quantized_sources(tiny, tmp_path):
+def test_stream_refuses_quantized_sources(tiny, tmp_path):
     source = tmp_path / "float"
     tiny.model().save_pretrained(source)
-    with pytest.raises(ValueError, match="static activation scales need calibration"):
-        from qfp8.checkpoint.stream import stream_quantize
-
-        stream_quantize(source, tmp_path / "out", activations="static")
     main(["quantize", str(source), str(tmp_path / "q"), "--no-progress"])
     with pytest.raises(ValueError, match="already quantized"):
         main(["quantize", str(tmp_path / "q"), str(tmp_path / "q2"), "--no-progress"])

@@ -1,0 +1,96 @@
+"""Hub repo ids: ``qfp8.from_pretrained("org/name")`` and ``qfp8 quantize org/name DST`` through a local cache.
+
+The cache is built by hand in ``tmp_path`` with huggingface_hub's layout
+(``models--ORG--NAME/refs/main`` holding a commit hash, the files under
+``snapshots/<hash>/``); ``HF_HUB_OFFLINE`` is on and sockets refuse to
+connect, so nothing can reach the network.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+
+import pytest
+import torch
+
+import qfp8
+from qfp8.cli import main
+from qfp8.nn import QLinear
+
+huggingface_hub = pytest.importorskip("huggingface_hub", reason="Hub repo ids resolve through huggingface_hub")
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def add_to_cache(cache, repo_id: str, folder) -> None:
+    org, name = repo_id.split("/")
+    repo = cache / f"models--{org}--{name}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    shutil.copytree(folder, repo / "snapshots" / COMMIT)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads these variables once, when it is imported (huggingface_hub.constants).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    attempts = []
+
+    def no_network(*args, **kwargs):
+        # Recorded as well as refused: resolve() turns any Hub error into FileNotFoundError.
+        attempts.append(args)
+        raise OSError("network access attempted in a test")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    yield cache
+    assert not attempts, f"network access attempted: {attempts[:3]}"
+
+
+def test_from_pretrained_repo_id_matches_folder(tiny, tmp_path, hub_cache, x):
+    model = tiny.model()
+    qfp8.quantize(model, weight_scale="tensor", activations="dynamic", kv_cache="float8_e4m3fn")
+    with qfp8.calibrate(model):
+        model(tiny.tokens(seed=5))
+    qfp8.save_pretrained(model, tmp_path / "folder")
+    add_to_cache(hub_cache, "qfp8-test/tiny-fp8", tmp_path / "folder")
+
+    from_hub = qfp8.from_pretrained("qfp8-test/tiny-fp8")
+    from_folder = qfp8.from_pretrained(tmp_path / "folder")
+    assert from_hub.qfp8_source == str(hub_cache / "models--qfp8-test--tiny-fp8" / "snapshots" / COMMIT)
+    hub_state, folder_state = from_hub.state_dict(), from_folder.state_dict()
+    assert hub_state.keys() == folder_state.keys()
+    for key, value in folder_state.items():
+        assert torch.equal(hub_state[key].view(torch.uint8), value.view(torch.uint8)), key
+    assert sum(isinstance(m, QLinear) for m in from_hub.modules()) == 14
+    with torch.no_grad():
+        assert torch.equal(from_hub(x).logits, from_folder(x).logits)
+        assert torch.equal(from_hub(x).logits, model(x).logits)
+
+
+def test_quantize_cli_takes_a_repo_id(tiny, tmp_path, hub_cache):
+    tiny.model().save_pretrained(tmp_path / "float")
+    add_to_cache(hub_cache, "qfp8-test/tiny-float", tmp_path / "float")
+    argv = ["quantize", "--no-progress", "--weight-scale", "tensor"]
+    assert main([*argv, "qfp8-test/tiny-float", str(tmp_path / "from-hub")]) == 0
+    assert main([*argv, str(tmp_path / "float"), str(tmp_path / "from-folder")]) == 0
+    assert (tmp_path / "from-hub" / "model.safetensors").read_bytes() == (
+        tmp_path / "from-folder" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_unknown_repo_id_raises_naming_it(hub_cache):
+    with pytest.raises(FileNotFoundError, match="qfp8-test/not-in-cache: not a folder, and the Hub repo") as error:
+        qfp8.from_pretrained("qfp8-test/not-in-cache")
+    assert "outgoing traffic has been disabled" in str(error.value)  # huggingface_hub's offline answer
+    with pytest.raises(FileNotFoundError, match="qfp8-test/not-in-cache"):
+        main(["quantize", "qfp8-test/not-in-cache", str(hub_cache / "out"), "--no-progress"])
