@@ -4,7 +4,10 @@ Importing this package defines every ``torch.ops.qfp8.*`` op and registers
 the compiled kernels that could be loaded for this machine.
 """
 
-from qfp8.library import ops  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
+from qfp8.library import (
+    attention,  # noqa: F401  (defines torch.ops.qfp8.fp8_decode_attention)
+    ops,  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
+)
 from qfp8.library.routing import KernelRequest, LinearKernel, kernel_by_name, register_kernel, select_kernel
 
 try:  # registers the CPU kernel when qfp8._C is built (cpu.py itself falls back if the extension is missing)

@@ -25,23 +25,27 @@ How it plugs in
 ``k_proj``, ``v_proj``) the scale buffers, calibration methods and a forward
 pre-hook. The hook swaps the module's ``DynamicLayer``/``StaticLayer`` in
 whatever ``Cache`` it is called with for :class:`Float8DynamicLayer` /
-:class:`Float8StaticLayer`; the module's own forward, RoPE and attention
-implementation (eager, SDPA) are untouched.
+:class:`Float8StaticLayer`; the module's own forward and RoPE are untouched,
+and so is its attention implementation except as said below.
 
 What is dequantized per step
 ----------------------------
-SDPA (and every attention implementation of transformers) takes K and V in the
-query's float dtype, on CPU as elsewhere; there is no FP8 SDPA. So each layer
-hands attention a transient float copy of *its own* K/V, which is freed when
-the layer's attention returns: the extra memory at any time is one layer's K/V
-in the model dtype, never a full-precision copy of the whole cache.
+With transformers' ``"sdpa"`` attention (the default), enabling the cache
+switches the model to :data:`FUSED_ATTENTION`: the cache layers hand the
+attention function their FP8 buffers, and each decode step (one query token)
+runs ``torch.ops.qfp8.fp8_decode_attention``, which reads only the K/V rows
+the mask lets through and converts them in registers. Nothing is
+dequantized, and a static cache costs what its filled part costs.
+
+Prefill, other attention implementations (eager, flex) and
+``fused_attention=False`` take K/V dequantized into the model's dtype, one
+layer at a time (never the whole cache):
 
 - Dynamic cache: the stored tokens, all of which attention reads.
 - Static cache, eager: only the filled prefix ``[0, seq_len)``; the rest of the
   returned buffer is zeros, which the causal mask hides.
 - Static cache, compiled: shapes must not depend on the fill level, so the
-  whole ``max_cache_len`` buffer is dequantized; inductor fuses it into one
-  pass (read 1 byte, write 2) per tensor. Keep ``max_cache_len`` tight.
+  whole ``max_cache_len`` buffer is dequantized.
 """
 
 from __future__ import annotations
@@ -123,6 +127,11 @@ class _Float8LayerMixin:
         k_scale, v_scale = self._scales()
         return dequantize_kv(keys, k_scale, self.out_dtype), dequantize_kv(values, v_scale, self.out_dtype)
 
+    def _fused(self) -> bool:
+        """True when the model's attention is qfp8's (:data:`FUSED_ATTENTION`): ``update`` then returns FP8."""
+        config = getattr(self.attention, "config", None)
+        return getattr(config, "_attn_implementation", None) == FUSED_ATTENTION
+
     def _select_batch(self, fn) -> None:
         for name in ("key_scale", "value_scale", "key_mean"):
             tensor = getattr(self, name)
@@ -163,6 +172,12 @@ class Float8DynamicLayer(_Float8LayerMixin, DynamicLayer):
         new_keys, new_values = self._quantize_new(key_states, value_states)
         self.keys = torch.cat([self.keys, new_keys], dim=-2)
         self.values = torch.cat([self.values, new_values], dim=-2)
+        if self._fused():
+            return self.keys, self.values
+        return self.dequantized()
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K/V in the model dtype."""
         return self._read(self.keys, self.values)
 
     def reset(self) -> None:
@@ -232,6 +247,12 @@ class Float8StaticLayer(_Float8LayerMixin, StaticLayer):
         self.keys.view(torch.uint8).index_copy_(2, position, new_keys.view(torch.uint8))
         self.values.view(torch.uint8).index_copy_(2, position, new_values.view(torch.uint8))
         self.cumulative_length.add_(length)
+        if self._fused():
+            return self.keys, self.values
+        return self.dequantized()
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole buffer in the model dtype (eager: only the filled prefix is converted, zeros behind it)."""
         if torch.compiler.is_compiling():
             return self._read(self.keys, self.values)
         # Eager: dequantize only the filled prefix; the zeros behind it are masked out.
@@ -371,7 +392,47 @@ def _pre_forward(module: nn.Module, args, kwargs):
             return args, kwargs
         return None
     _install_layer(cache, module)
+    layer = cache.layers[module.layer_idx]
+    if layer._fused():
+        # The attention function (_fused_sdpa) needs this cache's layer for its scales.
+        return args, {**kwargs, "qfp8_kv_layer": layer}
     return None
+
+
+# ------------------------------------------------------ fused attention
+
+FUSED_ATTENTION = "qfp8_fp8_kv_sdpa"
+
+
+def _fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: decode steps read the FP8 cache directly, everything else is SDPA.
+
+    With one query token, no dropout and a mask that is the same for every
+    head, ``torch.ops.qfp8.fp8_decode_attention`` reads the FP8 K/V rows the
+    mask lets through, converting them in registers: no float copy of the
+    cache. Otherwise (prefill, or a cache that is not FP8) the layer's K/V are
+    dequantized and transformers' SDPA function runs as usual.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layer = kwargs.pop("qfp8_kv_layer", None)
+    if layer is not None and key.dtype in KV_CACHE_DTYPES:
+        mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
+        if query.shape[2] == 1 and not dropout and kwargs.get("softcap") is None and mask_ok:
+            k_scale, v_scale = layer._scales()
+            scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+            out = torch.ops.qfp8.fp8_decode_attention(query, key, value, k_scale, v_scale, attention_mask, scale)
+            return out.transpose(1, 2).contiguous(), None
+        key, value = layer.dequantized()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _register_fused_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FUSED_ATTENTION, _fused_sdpa)
+    AttentionMaskInterface.register(FUSED_ATTENTION, sdpa_mask)
 
 
 def _load_state_dict_pre_hook(model, state_dict, prefix, *args) -> None:
@@ -404,12 +465,19 @@ def _load_state_dict_pre_hook(model, state_dict, prefix, *args) -> None:
         )
 
 
-def enable_fp8_kv_cache(model: nn.Module, dtype=torch.float8_e4m3fn, center_keys: bool = False) -> list[str]:
+def enable_fp8_kv_cache(
+    model: nn.Module, dtype=torch.float8_e4m3fn, center_keys: bool = False, fused_attention: bool = True
+) -> list[str]:
     """Stores the KV cache of every Llama-family attention module of ``model`` in FP8 (in place).
 
     ``dtype``: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (or their names).
     ``center_keys``: subtract each key channel's prefill mean before quantizing
     (attention output unchanged, smaller rounding error; runtime only).
+    ``fused_attention``: when the model uses transformers' ``"sdpa"``
+    attention, switch it to :data:`FUSED_ATTENTION`, whose decode steps read
+    the FP8 cache in qfp8's kernel instead of dequantizing it first (prefill
+    and everything else still run SDPA). Other attention implementations are
+    left alone and get dequantized K/V.
     Returns the names of the attention modules. Static scales come from
     :func:`qfp8.calibrate` or a checkpoint; without them scales are dynamic.
     """
@@ -443,6 +511,10 @@ def enable_fp8_kv_cache(model: nn.Module, dtype=torch.float8_e4m3fn, center_keys
         model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
         model._qfp8_kv_load_hook = True
     model.qfp8_kv_cache_dtype = dtype
+    config = getattr(model, "config", None)
+    if fused_attention and getattr(config, "_attn_implementation", None) == "sdpa":
+        _register_fused_attention()
+        config._attn_implementation = FUSED_ATTENTION
     return list(modules)
 
 

@@ -202,6 +202,69 @@ def test_generation_static_and_dynamic_caches(base_model, prompt, compiled):
     assert formats.sqnr(reference_logits, dynamic_logits) > 20
 
 
+def _decode_ops(model, prompt, cache, steps) -> tuple[torch.Tensor, list[str]]:
+    """Greedy logits and the names of the ops the decode steps ran (eager)."""
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+        token = prompt[:, -1:]
+        logits = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            for i in range(steps):
+                position = torch.full((prompt.shape[0], 1), prompt.shape[1] + i)
+                out = model(token, cache=cache, position_ids=position, use_cache=True).logits
+                logits.append(out)
+                token = out[:, -1:].argmax(-1)
+    return torch.cat(logits, 1), [event.name for event in profile.events()]
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+def test_decode_steps_read_the_fp8_cache_directly(base_model, prompt, static):
+    fused, plain = copy.deepcopy(base_model), copy.deepcopy(base_model)
+    kvc.enable_fp8_kv_cache(fused)
+    kvc.enable_fp8_kv_cache(plain, fused_attention=False)
+    assert fused.config._attn_implementation == kvc.FUSED_ATTENTION
+    assert plain.config._attn_implementation == "sdpa"
+
+    def cache_for(model):
+        if static:
+            return StaticCache(config=model.config, max_cache_len=prompt.shape[1] + 12)
+        return DynamicCache(config=model.config)
+
+    fused_logits, fused_ops = _decode_ops(fused, prompt, cache_for(fused), 4)
+    plain_logits, plain_ops = _decode_ops(plain, prompt, cache_for(plain), 4)
+    # One fused attention op per layer and step, and no SDPA in the decode steps.
+    assert fused_ops.count("qfp8::fp8_decode_attention") == 4 * fused.config.num_hidden_layers
+    assert not any("scaled_dot_product" in name for name in fused_ops)
+    assert "qfp8::fp8_decode_attention" not in plain_ops
+    # The same FP8 codes and scales: only float32 summation order differs.
+    assert formats.sqnr(plain_logits, fused_logits) > 80
+
+
+def test_fused_attention_with_left_padding(base_model):
+    """A padded batch (masked positions inside the cache) decodes as the dequantizing path does."""
+    prompt = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :5] = 0  # the second sequence is left-padded
+    results = []
+    for fused in (True, False):
+        model = copy.deepcopy(base_model)
+        kvc.enable_fp8_kv_cache(model, fused_attention=fused)
+        with torch.no_grad():
+            out = model.generate(
+                prompt,
+                attention_mask=mask,
+                max_new_tokens=5,
+                do_sample=False,
+                cache_implementation="static",
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        results.append(out)
+    assert torch.equal(results[0].sequences, results[1].sequences)
+    assert formats.sqnr(torch.stack(results[1].logits), torch.stack(results[0].logits)) > 80
+
+
 def test_generate_api_uses_fp8_layers(base_model, prompt):
     model = copy.deepcopy(base_model)
     kvc.enable_fp8_kv_cache(model)

@@ -57,6 +57,37 @@ void linear_tiles_avx2(const LinearProblem& p, int64_t tile_begin, int64_t tile_
 void linear_tiles_avx512(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 void linear_tiles_avx512bf16(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 
+// ------------------------------------------------------------ decode attention
+// One query token per sequence against an FP8 K/V cache, grouped-query
+// (G = Hq / Hkv query heads share a K/V head), for h = hq / G:
+//   scores[s] = (q[b][hq] . k[b][h][s]) * k_scale + mask[b][s]
+//   out[b][hq] = sum_s softmax(scores)[s] * v[b][h][s] * v_scale
+// q is float32 and already multiplied by the softmax scaling. Positions whose
+// mask is -inf (or below -1e30, transformers' finfo.min) are never read, so a
+// static cache costs what its filled part costs. A row with every position
+// masked gives zeros. One task = one (b, h): its G query heads read each K
+// and V row once.
+struct DecodeAttention {
+  const float* q;   // [B][Hq][D]
+  const uint8_t* k; // [B][Hkv][S][D] FP8 bytes
+  const uint8_t* v; // [B][Hkv][S][D]
+  int64_t B, Hq, Hkv, S, D;
+  int format;             // WeightFormat of the cache
+  const float* k_scale;   // [1] or [B * Hkv]
+  const float* v_scale;   // [1] or [B * Hkv]
+  bool per_head_scale;
+  const float* mask;      // [B][S] additive, or null (every position valid)
+  float* scores;          // scratch [B * Hkv][G][S]
+  float* out;             // [B][Hq][D] float32
+};
+
+using DecodeAttentionFn = void (*)(const DecodeAttention&, int64_t task_begin, int64_t task_end);
+void decode_attention_scalar(const DecodeAttention& a, int64_t task_begin, int64_t task_end);
+void decode_attention_avx2(const DecodeAttention& a, int64_t task_begin, int64_t task_end);
+// The variant for the CPU kernel ISA in use (ops.cpp): AVX2 for avx2 and the
+// AVX512 variants (whose CPUs have AVX2), scalar for scalar.
+DecodeAttentionFn decode_attention_for_current_isa();
+
 // The FP8 -> fp16 bit trick every vector kernel uses: an e4m3 byte b becomes
 // the fp16 with bits ((int16)(b << 8) >> 1) & 0xBFFF (sign kept in bit 15,
 // exponent and mantissa one bit lower), whose value is the e4m3 value / 2^8

@@ -43,6 +43,7 @@
 #include <cmath>
 #include <vector>
 
+#include "attention_impl.h"
 #include "kernel.h"
 
 
@@ -456,6 +457,105 @@ void linear_tiles_avx2(const LinearProblem& p, int64_t tile_begin, int64_t tile_
     default:  // e4m3fn and e4m3fnuz share the bits; only the factor (2^8 / 2^7) differs
       return linear_tiles<kE4M3FN>(p, tile_begin, tile_end);
   }
+}
+
+namespace {
+
+// Decode attention: 16 FP8 bytes -> 16 float32 through the fp16 bit trick of
+// kernel.h (e4m3: ((b & 0x80) << 8) | ((b & 0x7F) << 7), the value / 2^8;
+// e5m2: b << 8, the value itself), FMA dot products and a polynomial exp.
+struct Avx2AttentionOps {
+  static float factor(int format) { return format_factor(format); }
+
+  static void row(const uint8_t* src, int64_t d, int format, float* dst) {
+    int64_t i = 0;
+    const bool e5m2 = format == kE5M2;
+    for (; i + 16 <= d; i += 16) {
+      const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      __m256i bits;
+      if (e5m2) {
+        bits = _mm256_slli_epi16(w, 8);
+      } else {
+        const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+        const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+        bits = _mm256_or_si256(sign, magnitude);
+      }
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_castsi256_si128(bits)));
+      _mm256_storeu_ps(dst + i + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)));
+    }
+    for (; i < d; ++i) {
+      const uint16_t b = src[i];
+      const uint16_t bits = e5m2 ? static_cast<uint16_t>(b << 8) : static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+      dst[i] = _cvtsh_ss(bits);
+    }
+  }
+
+  static float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+  }
+
+  static float dot(const float* a, const float* b, int64_t d) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    float sum = hsum(_mm256_add_ps(s0, s1));
+    for (; i < d; ++i) sum += a[i] * b[i];
+    return sum;
+  }
+
+  static void axpy(float alpha, const float* x, float* y, int64_t d) {
+    const __m256 a = _mm256_set1_ps(alpha);
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < d; ++i) y[i] += alpha * x[i];
+  }
+
+  // exp(x) for x <= 0: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], a
+  // degree-6 polynomial (relative error ~1e-7); below -87 it is taken as 0.
+  static __m256 exp_nonpositive(__m256 x) {
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2)));
+  }
+
+  static float exp_shift(float* s, int64_t n, float top) {
+    const __m256 t = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), t));
+      _mm256_storeu_ps(s + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum(sum);
+    for (; i < n; ++i) total += (s[i] = std::exp(s[i] - top));
+    return total;
+  }
+};
+
+}  // namespace
+
+void decode_attention_avx2(const DecodeAttention& a, int64_t task_begin, int64_t task_end) {
+  decode_attention_tasks<Avx2AttentionOps>(a, task_begin, task_end);
 }
 
 }  // namespace qfp8

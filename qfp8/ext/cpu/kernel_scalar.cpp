@@ -9,6 +9,7 @@
 #include <cmath>
 #include <vector>
 
+#include "attention_impl.h"
 #include "kernel.h"
 
 namespace qfp8 {
@@ -73,6 +74,36 @@ void linear_tiles_scalar(const LinearProblem& p, int64_t tile_begin, int64_t til
       store_tile_row(p, m, t, sums, mult);
     }
   }
+}
+
+namespace {
+
+// Decode attention, portable: FP8 rows through the table of exact values.
+struct ScalarAttentionOps {
+  static float factor(int) { return 1.0f; }
+  static void row(const uint8_t* src, int64_t d, int format, float* dst) {
+    const float* table = decode_table().value[format];
+    for (int64_t i = 0; i < d; ++i) dst[i] = table[src[i]];
+  }
+  static float dot(const float* a, const float* b, int64_t d) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < d; ++i) sum += a[i] * b[i];
+    return sum;
+  }
+  static void axpy(float alpha, const float* x, float* y, int64_t d) {
+    for (int64_t i = 0; i < d; ++i) y[i] += alpha * x[i];
+  }
+  static float exp_shift(float* s, int64_t n, float top) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) sum += (s[i] = std::exp(s[i] - top));
+    return sum;
+  }
+};
+
+}  // namespace
+
+void decode_attention_scalar(const DecodeAttention& a, int64_t task_begin, int64_t task_end) {
+  decode_attention_tasks<ScalarAttentionOps>(a, task_begin, task_end);
 }
 
 }  // namespace qfp8

@@ -121,6 +121,17 @@ void set_isa(c10::string_view name) {
 
 std::string get_isa() { return current_isa().name; }
 
+}  // namespace
+
+DecodeAttentionFn decode_attention_for_current_isa() {
+#ifdef QFP8_HAVE_AVX2
+  if (std::string(current_isa().name) != "scalar") return decode_attention_avx2;
+#endif
+  return decode_attention_scalar;
+}
+
+namespace {
+
 // ------------------------------------------------------------ activations
 
 int weight_format(at::ScalarType dtype) {

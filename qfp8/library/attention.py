@@ -1,0 +1,113 @@
+"""FP8 KV-cache decode attention: ``torch.ops.qfp8.fp8_decode_attention``.
+
+``fp8_decode_attention(query, key_cache, value_cache, key_scale, value_scale,
+mask, scaling)``: one query token per sequence (``query`` ``[B, Hq, 1, D]``)
+against FP8 caches ``[B, Hkv, S, D]`` (grouped-query: ``Hq`` a multiple of
+``Hkv``) holding ``k / key_scale`` and ``v / value_scale``, scales float32
+``[1]`` (per tensor) or ``B * Hkv`` values (per head, ``[B, Hkv, 1, 1]``);
+``mask`` broadcastable to ``[B, 1, 1, S]``, bool (True attends) or additive
+float, or None. Returns ``softmax(q k^T * scaling + mask) v`` as
+``[B, Hq, 1, D]`` in the query's dtype, float32 inside.
+
+The CPU kernel (``qfp8/ext/cpu``) reads each FP8 row once, converts it in
+registers and never reads a masked position: a static cache costs what its
+filled part costs, and no float copy of the cache is made. Elsewhere (and
+when the extension is missing) the reference below runs: dequantize through
+the lookup table, then the same arithmetic in float32. A sequence whose every
+position is masked gets zeros (SDPA would give NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qfp8 import formats
+
+torch.library.define(
+    "qfp8::fp8_decode_attention",
+    "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor key_scale, Tensor value_scale, Tensor? mask, "
+    "float scaling) -> Tensor",
+)
+
+MASKED_BELOW = -1e30  # additive mask values at or below this mean "masked" (transformers uses finfo.min)
+
+
+@torch.library.register_fake("qfp8::fp8_decode_attention")
+def _(query, key_cache, value_cache, key_scale, value_scale, mask, scaling):
+    return query.new_empty(query.shape)
+
+
+def _additive_mask(mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+    mask = mask.to(torch.float32).expand(batch, 1, 1, length).reshape(batch, length)
+    return torch.where(mask <= MASKED_BELOW, float("-inf"), mask)
+
+
+def fp8_decode_attention_reference(query, key_cache, value_cache, key_scale, value_scale, mask, scaling):
+    batch, heads, _, dim = query.shape
+    kv_heads, length = key_cache.shape[1], key_cache.shape[2]
+    group = heads // kv_heads
+    scale_shape = (batch, kv_heads, 1, 1) if key_scale.numel() != 1 else (1, 1, 1, 1)
+    keys = formats.fp8_to_float(key_cache) * key_scale.to(torch.float32).reshape(scale_shape)
+    values = formats.fp8_to_float(value_cache) * value_scale.to(torch.float32).reshape(scale_shape)
+    q = query.to(torch.float32).reshape(batch, kv_heads, group, dim) * scaling
+    scores = q @ keys.transpose(-1, -2)  # [B, Hkv, G, S]
+    additive = _additive_mask(mask, batch, length)
+    if additive is not None:
+        scores = scores + additive[:, None, None, :]
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(torch.isinf(top), 0.0, top))
+    total = weights.sum(-1, keepdim=True)
+    out = (weights @ values) / torch.where(total > 0, total, 1.0)
+    return out.reshape(batch, heads, 1, dim).to(query.dtype)
+
+
+# Every device but CPU (and CPU when the extension is missing) runs the reference.
+torch.library.impl("qfp8::fp8_decode_attention", "CompositeExplicitAutograd")(fp8_decode_attention_reference)
+
+
+def check_decode_attention_args(query, key_cache, value_cache, key_scale, value_scale, mask) -> None:
+    """Full validation (``ValueError`` naming the sizes); the op itself only guards against bad memory access."""
+    if query.dim() != 4 or query.shape[2] != 1:
+        raise ValueError(f"fp8_decode_attention: query must be [B, Hq, 1, D], got {list(query.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"fp8_decode_attention: key and value caches must be [B, Hkv, S, D] alike, got "
+            f"{list(key_cache.shape)} and {list(value_cache.shape)}"
+        )
+    if key_cache.dtype not in formats.FP8_DTYPES.values() or value_cache.dtype != key_cache.dtype:
+        raise TypeError(
+            f"fp8_decode_attention: caches must share one FP8 dtype, got {key_cache.dtype} and {value_cache.dtype}"
+        )
+    batch, heads, _, dim = query.shape
+    if key_cache.shape[0] != batch or key_cache.shape[3] != dim or heads % key_cache.shape[1]:
+        raise ValueError(
+            f"fp8_decode_attention: query {list(query.shape)} does not fit caches {list(key_cache.shape)} "
+            "(same B and D, Hq a multiple of Hkv)"
+        )
+    per_head = batch * key_cache.shape[1]
+    for name, scale in (("key_scale", key_scale), ("value_scale", value_scale)):
+        if scale.numel() not in (1, per_head):
+            raise ValueError(
+                f"fp8_decode_attention: {name} must have 1 or B * Hkv = {per_head} values, got {scale.numel()}"
+            )
+    if mask is not None and (
+        mask.dim() != 4
+        or mask.shape[1:3] != (1, 1)
+        or mask.shape[3] != key_cache.shape[2]
+        or mask.shape[0] not in (1, batch)
+    ):
+        raise ValueError(
+            f"fp8_decode_attention: mask must broadcast to [B, 1, 1, S] = [{batch}, 1, 1, {key_cache.shape[2]}], "
+            f"got {list(mask.shape)}"
+        )
+
+
+def fp8_decode_attention(query, key_cache, value_cache, key_scale, value_scale, mask=None, scaling=None):
+    """Checked call of ``torch.ops.qfp8.fp8_decode_attention`` (``scaling`` defaults to ``D ** -0.5``)."""
+    check_decode_attention_args(query, key_cache, value_cache, key_scale, value_scale, mask)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    return torch.ops.qfp8.fp8_decode_attention(query, key_cache, value_cache, key_scale, value_scale, mask, scaling)
