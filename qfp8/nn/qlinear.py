@@ -32,7 +32,9 @@ _GLOBAL_HOOKS = (
     _module._global_backward_hooks,
     _module._global_backward_pre_hooks,
 )
-_is_compiling = torch.compiler.is_compiling
+# Plain `return False` outside Dynamo, which folds it to True while tracing
+# (torch.compiler.is_compiling costs a second Python call, is_scripting).
+_is_compiling = torch.compiler.is_dynamo_compiling
 
 
 class QLinear(nn.Module):
