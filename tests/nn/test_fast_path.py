@@ -5,12 +5,13 @@ no Python work per call beyond what ``nn.Linear`` does. Checked three ways:
 the output is the bare op's, bit for bit; a profiler sees no Python call in
 ``forward`` but the op; and on SmolLM2-135M's layer shapes at M = 1 a
 QLinear call costs little more than the bare op call (median, interleaved).
-Over a SmolLM2 decoder layer's projections QLinear measured 1.055-1.095x
-the bare ``OpOverload`` call standalone once ``QLinear.__call__`` skipped
-``nn.Module.__call__`` (1.15-1.17x before); the smallest shape alone
-(576 -> 192) is still 1.11-1.15x. The test guards at 1.20x: timing inside
-the suite runs a few percent higher, and a timing failure must mean a
-regression (a microsecond more per call), not noise.
+Over a SmolLM2 decoder layer's projections QLinear measured 1.04-1.08x the
+bare ``OpOverload`` call once ``QLinear.__call__`` skipped
+``nn.Module.__call__`` and read its attributes from ``__dict__`` (1.15-1.17x
+before); per shape 1.03-1.12x, the smallest (576 -> 192) the highest. The
+test guards at 1.20x: timing inside the suite runs a few percent higher, and
+a timing failure must mean a regression (a microsecond more per call), not
+noise.
 """
 
 from __future__ import annotations
