@@ -47,7 +47,7 @@ class Row:
     name: str
     description: str
     kwargs: dict = field(default_factory=dict)  # for qfp8.quantize; empty for the float rows
-    kind: str = "qfp8"  # "float32" | "bf16" | "qfp8" | "quanto"
+    kind: str = "qfp8"  # "float32" | "bf16" | "qfp8" | "quanto" | "act-only"
 
     @property
     def calibrated(self) -> bool:
@@ -83,6 +83,10 @@ def rows(accuracy: str) -> list[Row]:
         Row("w8a16-channel-kv", "W8A16 e4m3 channel + FP8 KV cache", _w("channel", **kv)),
         Row("w8a8-token-kv", "W8A8 e4m3 channel/token + FP8 KV cache", _a("channel", "token", **kv)),
         Row("quanto-w8", "optimum-quanto qfloat8 weights (peer)", kind="quanto"),
+        # Diagnostic: float32 weights, only the activations rounded (e4m3, dynamic per token) at
+        # every Linear input but lm_head's. No weight-side accuracy mode can take W8A8 per-token
+        # below this row's KL: it is what activation rounding alone costs.
+        Row("a8-token-only", "activations only: e4m3 dynamic token, float32 weights", kind="act-only"),
     ]
     if accuracy:
         table += [
@@ -115,6 +119,22 @@ def kv_cache_works(model: nn.Module, ids: torch.Tensor) -> str | None:
     return None
 
 
+def activations_only(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose Linear inputs (lm_head's excepted) are rounded to e4m3 per token."""
+    from qfp8 import formats
+
+    def round_input(module, args):
+        x = args[0]
+        q, scale = formats.quantize_activation(x.reshape(-1, x.shape[-1]), torch.float8_e4m3fn, "token")
+        return (formats.dequantize_activation(q, scale, x.dtype).reshape(x.shape), *args[1:])
+
+    copied = copy.deepcopy(model, share_embeddings(model))
+    for name, module in copied.named_modules():
+        if isinstance(module, nn.Linear) and not name.endswith("lm_head"):
+            module.register_forward_pre_hook(round_input)
+    return copied
+
+
 def build(row: Row, model: nn.Module, calibration: torch.Tensor) -> nn.Module:
     if row.kind == "float32":
         return model
@@ -127,6 +147,8 @@ def build(row: Row, model: nn.Module, calibration: torch.Tensor) -> nn.Module:
         quantize(peer, weights=qfloat8, exclude="lm_head")
         freeze(peer)
         return peer
+    if row.kind == "act-only":
+        return activations_only(model)
     quantized = copy.deepcopy(model, share_embeddings(model))
     qfp8.quantize(quantized, **row.kwargs)
     if row.calibrated:
@@ -251,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             positions=acc.positions,
             seconds_per_window=acc.seconds / count,
             weight_sqnr=None
-            if record["name"] in ("float32", "bf16")
+            if record["name"] in ("float32", "bf16", "a8-token-only")
             else evaluate.weight_sqnr(model, models[record["name"]]),
         )
     print()

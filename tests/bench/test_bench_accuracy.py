@@ -70,6 +70,9 @@ def test_every_row_and_per_layer_report_on_a_tiny_model(tmp_path):
             assert "kv" in row["name"], row  # only the FP8 KV-cache rows may be unavailable
             continue
         assert row["positions"] == 2 * 63 and row["perplexity"] > 1 and 0 <= row["top1"] <= 1, row
+    # The activations-only diagnostic row: float weights (no weight SQNR), rounded activations (KL > 0).
+    rows = {row["name"]: row for row in payload["rows"]}
+    assert rows["a8-token-only"]["weight_sqnr"] is None and rows["a8-token-only"]["kl"] > 0
     layers = payload["per_layer"]
     assert len(layers) == 2 * 7 and [x["sqnr_db"] for x in layers] == sorted(x["sqnr_db"] for x in layers)
     assert "per-layer output SQNR" in result.stdout
