@@ -13,23 +13,11 @@
 
 #include <limits>
 
+#include "bindings.h"
 #include "kernel.h"
 
 namespace qfp8 {
 namespace {
-
-int cache_format(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat8_e4m3fn:
-      return kE4M3FN;
-    case at::kFloat8_e5m2:
-      return kE5M2;
-    case at::kFloat8_e4m3fnuz:
-      return kE4M3FNUZ;
-    default:
-      TORCH_CHECK(false, "qfp8.fp8_decode_attention: the cache must be an FP8 tensor, got ", dtype);
-  }
-}
 
 at::Tensor fp8_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                 const at::Tensor& key_scale, const at::Tensor& value_scale,
@@ -45,7 +33,7 @@ at::Tensor fp8_decode_attention(const at::Tensor& query, const at::Tensor& key_c
   const int64_t Hkv = key_cache.size(1), S = key_cache.size(2);
   TORCH_CHECK(key_cache.size(0) == B && key_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
               "qfp8.fp8_decode_attention: query ", query.sizes(), " does not fit caches ", key_cache.sizes());
-  const int format = cache_format(key_cache.scalar_type());
+  const int format = fp8_format(key_cache.scalar_type(), "qfp8.fp8_decode_attention: the key cache");
   const at::Tensor q = (query.to(at::kFloat) * scaling).contiguous();
   const at::Tensor k = key_cache.contiguous().view(at::kByte);
   const at::Tensor v = value_cache.contiguous().view(at::kByte);

@@ -84,9 +84,6 @@ struct DecodeAttention {
 using DecodeAttentionFn = void (*)(const DecodeAttention&, int64_t task_begin, int64_t task_end);
 void decode_attention_scalar(const DecodeAttention& a, int64_t task_begin, int64_t task_end);
 void decode_attention_avx2(const DecodeAttention& a, int64_t task_begin, int64_t task_end);
-// The variant for the CPU kernel ISA in use (ops.cpp): AVX2 for avx2 and the
-// AVX512 variants (whose CPUs have AVX2), scalar for scalar.
-DecodeAttentionFn decode_attention_for_current_isa();
 
 // The FP8 -> fp16 bit trick every vector kernel uses: an e4m3 byte b becomes
 // the fp16 with bits ((int16)(b << 8) >> 1) & 0xBFFF (sign kept in bit 15,

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "bindings.h"
 #include "kernel.h"
 
 namespace qfp8 {
@@ -125,16 +126,12 @@ std::string get_isa() { return current_isa().name; }
 
 DecodeAttentionFn decode_attention_for_current_isa() {
 #ifdef QFP8_HAVE_AVX2
-  if (std::string(current_isa().name) != "scalar") return decode_attention_avx2;
+  if (current_isa().fn != linear_tiles_scalar) return decode_attention_avx2;
 #endif
   return decode_attention_scalar;
 }
 
-namespace {
-
-// ------------------------------------------------------------ activations
-
-int weight_format(at::ScalarType dtype) {
+int fp8_format(c10::ScalarType dtype, const char* what) {
   switch (dtype) {
     case at::kFloat8_e4m3fn:
       return kE4M3FN;
@@ -143,10 +140,13 @@ int weight_format(at::ScalarType dtype) {
     case at::kFloat8_e4m3fnuz:
       return kE4M3FNUZ;
     default:
-      TORCH_CHECK(false, "qfp8::scaled_linear_cpu: packed_weight must be float8_e4m3fn, float8_e5m2 or "
-                         "float8_e4m3fnuz, got ", dtype);
+      TORCH_CHECK(false, what, " must be float8_e4m3fn, float8_e5m2 or float8_e4m3fnuz, got ", dtype);
   }
 }
+
+namespace {
+
+// ------------------------------------------------------------ activations
 
 // Reads element i of a float32/bfloat16/float16 buffer as float32.
 template <typename T>
@@ -271,7 +271,7 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   const auto xdtype = x_in.scalar_type();
   TORCH_CHECK(xdtype == at::kFloat || xdtype == at::kBFloat16 || xdtype == at::kHalf, op,
               ": x must be float32, bfloat16 or float16, got ", xdtype);
-  const int format = weight_format(packed.scalar_type());
+  const int format = fp8_format(packed.scalar_type(), "qfp8::scaled_linear_cpu: packed_weight");
   const int64_t T = (N + kTileN - 1) / kTileN, Kp = (K + 1) & ~int64_t(1);
   TORCH_CHECK(N >= 1 && K >= 1 && packed.is_contiguous() && packed.numel() == T * (Kp / 2) * kGroupBytes, op,
               ": packed_weight has shape ", packed.sizes(), ", expected ", T * (Kp / 2) * kGroupBytes,
