@@ -56,6 +56,7 @@ import warnings
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from qfp8 import formats
 
@@ -413,8 +414,6 @@ def _fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     cache. Otherwise (prefill, or a cache that is not FP8) the layer's K/V are
     dequantized and transformers' SDPA function runs as usual.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     layer = kwargs.pop("qfp8_kv_layer", None)
     if layer is not None and key.dtype in KV_CACHE_DTYPES:
         mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
