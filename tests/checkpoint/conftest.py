@@ -8,19 +8,20 @@ import torch
 transformers = pytest.importorskip("transformers", reason="checkpoint tests build transformers models")
 
 
+TINY_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+
+
 def tiny_config(**overrides):
-    settings = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    settings.update(overrides)
-    return transformers.LlamaConfig(**settings)
+    return transformers.LlamaConfig(**{**TINY_SIZES, **overrides})
 
 
 def tiny_model(dtype=torch.float32, seed=0, **overrides):
@@ -37,6 +38,7 @@ def tokens(seed=1, batch=2, length=12):
 class Tiny:
     """The helpers above, as a fixture (tests are imported with --import-mode=importlib)."""
 
+    sizes = TINY_SIZES  # for other architectures of the same size
     config = staticmethod(tiny_config)
     model = staticmethod(tiny_model)
     tokens = staticmethod(tokens)

@@ -41,20 +41,10 @@ CASES = {
     "mistral-sliding-a-static": ("mistral", dict(activations="static")),  # FP8 KV: full attention only
     "qwen3-a-static-kv": ("qwen3", dict(activations="static", kv_cache="float8_e4m3fn")),
 }
-SIZES = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
 
 
-def float_model(arch: str, dtype=torch.bfloat16, seed=0, **overrides):
-    settings = {**SIZES, **overrides}
+def float_model(tiny, arch: str, dtype=torch.bfloat16, seed=0, **overrides):
+    settings = {**tiny.sizes, **overrides}
     if arch == "llama":
         config = transformers.LlamaConfig(**settings)
     elif arch == "mistral":
@@ -103,15 +93,15 @@ def assert_same_checkpoint(streamed_dir, memory_dir):
 
 
 @pytest.mark.parametrize("arch, kwargs", CASES.values(), ids=CASES.keys())
-def test_streamed_calibration_equals_in_memory(tmp_path, arch, kwargs):
+def test_streamed_calibration_equals_in_memory(tiny, tmp_path, arch, kwargs):
     source = tmp_path / "float"
-    float_model(arch).save_pretrained(source, max_shard_size="100KB")
+    float_model(tiny, arch).save_pretrained(source, max_shard_size="100KB")
     ids = calibration_ids()
     stream_kwargs = {("weight_scale_granularity" if k == "weight_scale" else k): v for k, v in kwargs.items()}
     summary = stream_quantize(
         source, tmp_path / "stream", calibration_ids=ids, progress=False, max_shard_size="90KB", **stream_kwargs
     )
-    model = in_memory(float_model(arch), ids, kwargs, tmp_path / "memory")
+    model = in_memory(float_model(tiny, arch), ids, kwargs, tmp_path / "memory")
     memory = assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
 
     static, kv = kwargs.get("activations") == "static", kwargs.get("kv_cache")
