@@ -9,10 +9,17 @@ never saved); ``weight`` returns it wrapped as a ``Float8WeightTensor``.
 Fast path: ``forward`` calls the chosen kernel op with plain tensors; all
 routing and validation happened when the kernel was chosen. A call with no
 hooks, outside ``torch.compile`` and calibration, skips ``nn.Module.__call__``
-and the ``OpOverload`` wrapper too and enters the op's dispatcher directly.
+and the ``OpOverload`` wrapper too and enters the op's dispatcher directly
+with an argument tuple built once ("armed"). Any change that could make that
+tuple stale disarms it: attribute assignment, a write to the module's
+parameter, buffer or hook dicts (which are watched), a registered hook. The
+next call takes the regular path, whose ``forward`` arms it again.
 """
 
 from __future__ import annotations
+
+import collections
+import weakref
 
 import torch
 from torch import nn
@@ -26,15 +33,86 @@ from qfp8.tensor import Float8WeightTensor
 
 # nn.Module's global hook registries (mutated in place, never rebound): the
 # fast path in QLinear.__call__ must step aside when any hook is registered.
-_GLOBAL_HOOKS = (
-    _module._global_forward_hooks,
-    _module._global_forward_pre_hooks,
-    _module._global_backward_hooks,
-    _module._global_backward_pre_hooks,
-)
+# Bound to module globals one by one: `a or b or c or d` costs a third of
+# `any((a, b, c, d))` on a call that matters at the microsecond.
+_global_forward_hooks = _module._global_forward_hooks
+_global_forward_pre_hooks = _module._global_forward_pre_hooks
+_global_backward_hooks = _module._global_backward_hooks
+_global_backward_pre_hooks = _module._global_backward_pre_hooks
 # Plain `return False` outside Dynamo, which folds it to True while tracing
 # (torch.compiler.is_compiling costs a second Python call, is_scripting).
 _is_compiling = torch.compiler.is_dynamo_compiling
+
+
+class _WatchedDict(collections.OrderedDict):
+    """A QLinear's parameter, buffer or hook dict: any write disarms the fast path.
+
+    An ``OrderedDict`` because nn.Module's hook registration moves entries
+    (``prepend=True``); reads cost what a plain dict's do.
+    """
+
+    # A weak reference: a strong one would make module state a reference
+    # cycle, freed only by the garbage collector (layer-by-layer calibration
+    # relies on a layer's memory coming back at `del`).
+    __slots__ = ("owner",)
+
+    def _disarm(self) -> None:
+        # Unset while pickle or deepcopy refill the items of a new copy.
+        ref = getattr(self, "owner", None)
+        owner = ref() if ref is not None else None
+        if owner is not None:
+            owner.__dict__["_fast"] = None
+
+    def __reduce__(self):
+        # Copies and pickles carry the items, not the owner: the copied
+        # module's __setstate__ makes itself the owner.
+        return (_WatchedDict, (), None, None, iter(self.items()))
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._disarm()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._disarm()
+
+    def __ior__(self, other):
+        result = super().__ior__(other)
+        self._disarm()
+        return result
+
+    def pop(self, *args):
+        result = super().pop(*args)
+        self._disarm()
+        return result
+
+    def popitem(self, last=True):
+        result = super().popitem(last)
+        self._disarm()
+        return result
+
+    def setdefault(self, key, default=None):
+        result = super().setdefault(key, default)
+        self._disarm()
+        return result
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        self._disarm()
+
+    def clear(self):
+        super().clear()
+        self._disarm()
+
+    def move_to_end(self, key, last=True):
+        super().move_to_end(key, last)
+        self._disarm()
+
+
+# The module dicts whose contents the armed call depends on: the tensors it
+# passes, and the hooks it would skip (the with-kwargs and always-called hook
+# sets only ever hold keys of _forward_hooks / _forward_pre_hooks).
+_WATCHED = ("_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 class QLinear(nn.Module):
@@ -48,6 +126,7 @@ class QLinear(nn.Module):
         device=None,
     ):
         super().__init__()
+        self._watch()
         self.in_features = in_features
         self.out_features = out_features
         self.scheme = scheme or QuantizationScheme()
@@ -179,6 +258,63 @@ class QLinear(nn.Module):
             self._fast_op = getattr(self._kernel_op, "_op", self._kernel_op)
         else:
             self._fast_op = None
+        self._arm()
+
+    def _watch(self) -> None:
+        """Makes the dicts the fast path depends on this module's watched dicts (also after a copy)."""
+        state = self.__dict__
+        state["_fast"] = None
+        owner = weakref.ref(self)
+        for name in _WATCHED:
+            watched = state[name] if type(state[name]) is _WatchedDict else _WatchedDict(state[name])
+            watched.owner = owner
+            state[name] = watched
+
+    # Bound ops (dispatcher entries) do not pickle; they are bound again
+    # from the kernel's name on the way back.
+    _UNPICKLED = ("_fast", "_fast_op", "_op", "_kernel_op")
+
+    def __getstate__(self):
+        return {key: value for key, value in super().__getstate__().items() if key not in self._UNPICKLED}
+
+    def __setstate__(self, state):
+        # Unpickling and copy.deepcopy: the module's dicts are watched again,
+        # by this module, and its op bound again.
+        super().__setstate__(state)
+        self._watch()
+        self._use_kernel(kernel_by_name(self.packing))
+
+    def _arm(self) -> None:
+        """Builds the fast path's (op, arguments) once, when nothing needs the regular path."""
+        state = self.__dict__
+        fast = None
+        if (
+            state.get("_fast_op") is not None
+            and all(type(state.get(name)) is _WatchedDict and state[name].owner() is self for name in _WATCHED)
+            and not any(state[name] for name in _WATCHED[2:])
+            # An instance-level `forward` (accelerate's device and offload
+            # hooks wrap it so) or `module.compile()` needs nn.Module.__call__.
+            and "forward" not in state
+            and state.get("_compiled_call_impl") is None
+        ):
+            buffers = state["_buffers"]
+            arguments = (
+                buffers["qweight"],
+                buffers["weight_scale"],
+                state["_parameters"]["bias"],
+                buffers["input_scale"],
+                *state["_extra_args"],
+            )
+            fast = (state["_fast_op"], arguments)
+        state["_fast"] = fast
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        self.__dict__["_fast"] = None
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+        self.__dict__["_fast"] = None
 
     def _uncalibrated(self, *args):
         raise RuntimeError(
@@ -218,43 +354,34 @@ class QLinear(nn.Module):
     # ------------------------------------------------------------ forward
     def __call__(self, *args, **kwargs):
         # nn.Module.__call__ costs two Python frames and a dozen checks per
-        # call (about 3 us here, 20 % of a small M = 1 layer). With no hooks
-        # anywhere, outside torch.compile (which traces the regular path) and
-        # outside calibration, the call is forward's op call with nothing
-        # around it. Attributes are read from __dict__: nn.Module's
-        # __getattr__ hook makes each `self.name` cost ~70 ns here, ~20 ns
-        # from the dict.
+        # call (about 3 us here, 20 % of a small M = 1 layer). Armed (no hooks
+        # on the module, no forward override, not calibrating; see _arm), with
+        # no global hook and outside torch.compile (which traces the regular
+        # path), the call is the op's dispatcher entry on the prepared tuple.
         if _is_compiling():
             return super().__call__(*args, **kwargs)
-        state = self.__dict__
-        fast = state["_fast_op"]
+        fast = self.__dict__["_fast"]
         if (
             fast is not None
             and len(args) == 1
             and not kwargs
             and not (
-                state["_forward_hooks"]
-                or state["_forward_pre_hooks"]
-                or state["_backward_hooks"]
-                or state["_backward_pre_hooks"]
+                _global_forward_hooks
+                or _global_forward_pre_hooks
+                or _global_backward_hooks
+                or _global_backward_pre_hooks
             )
-            and state.get("_compiled_call_impl") is None
-            and not any(_GLOBAL_HOOKS)
         ):
-            buffers = state["_buffers"]
-            return fast(
-                args[0],
-                buffers["qweight"],
-                buffers["weight_scale"],
-                state["_parameters"]["bias"],
-                buffers["input_scale"],
-                *state["_extra_args"],
-            )
+            return fast[0](args[0], *fast[1])
         return super().__call__(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.calibrating:
             return self._calibration_forward(x)
+        if self.__dict__["_fast"] is None and not _is_compiling():
+            # Something disarmed the fast path (see _arm); arm it again if the
+            # regular path is no longer needed.
+            self._arm()
         # Buffers read from their dicts directly: nn.Module.__getattr__ costs
         # about a microsecond per lookup, a sizeable part of a small M=1 layer.
         buffers = self._buffers
