@@ -304,8 +304,27 @@ def test_calibrated_scales_save_and_reload(base_model, prompt):
     cache = DynamicCache(config=base_model.config)
     with torch.no_grad():
         base_model(prompt, cache=cache, use_cache=True)
-    amax = cache.layers[1].keys.abs().amax()
-    assert torch.allclose(attention.k_scale, amax / 448.0)
+    keys = cache.layers[1].keys
+    amax = keys.abs().amax()
+    # The recorded scale is m * amax / fmax of the post-RoPE keys, m in 1 + j/16
+    # chosen for the least FP8 error on them (scale_search, the default).
+    factor = float(attention.k_scale / (amax / 448.0))
+    assert 1.0 - 1e-6 <= factor < 2.0 and abs(factor * 16 - round(factor * 16)) < 1e-4, factor
+
+    def error(scale):
+        return float(
+            (kvc.dequantize_kv(kvc.quantize_kv(keys, scale, torch.float8_e4m3fn), scale, torch.float32) - keys)
+            .square()
+            .mean()
+        )
+
+    assert error(attention.k_scale) <= error((amax / 448.0).reshape(1))
+    # Without the search: amax / fmax exactly.
+    plain = copy.deepcopy(base_model)
+    kvc.enable_fp8_kv_cache(plain, scale_search=False)
+    with qfp8.calibrate(plain):
+        plain(prompt, use_cache=False)
+    assert torch.allclose(plain.model.layers[1].self_attn.k_scale, amax / 448.0)
 
     reloaded = copy.deepcopy(base_model)
     kvc.enable_fp8_kv_cache(reloaded)
@@ -367,3 +386,47 @@ def test_key_centering_keeps_logits(base_model, prompt):
         centered = model(prompt, cache=cache, use_cache=True).logits
     assert cache.layers[0].key_mean.shape == (2, 2, 1, 16)
     assert formats.sqnr(reference, centered) > 25
+
+
+# ------------------------------------------------------------ scale search
+
+
+@pytest.mark.parametrize("dtype", kvc.KV_CACHE_DTYPES, ids=str)
+def test_scale_search_finds_the_grid_of_a_constant_channel(dtype):
+    # A channel of constant magnitude rounds the same way on every token: its
+    # error does not average out. Put it half way between two FP8 values at
+    # amax / fmax; a factor in [1, 2) must do better, and never clip.
+    torch.manual_seed(0)
+    fmax = formats.fp8_max(dtype)
+    rows = torch.randn(512, 64, dtype=torch.float64) * 0.001
+    rows[0, 3] = 1.0  # amax
+    amax_scale = formats.scale_from_amax(torch.tensor(1.0), dtype).reshape(1)
+    # Half way between the FP8 values 256 and 288 (e4m3) or 32768 and 40960 (e5m2), times the scale.
+    rows[:, 7] = (272.0 if dtype == torch.float8_e4m3fn else 36864.0) * float(amax_scale)
+    rows = rows.to(torch.float32)
+    assert torch.equal(formats.scale_from_amax(rows.abs().amax(), dtype).reshape(1), amax_scale)
+
+    def error(scale):
+        return float(
+            (kvc.dequantize_kv(kvc.quantize_kv(rows, scale, dtype), scale, torch.float32) - rows).square().mean()
+        )
+
+    searched = kvc.search_scale(rows, amax_scale, dtype)
+    factor = float(searched / amax_scale)
+    assert 1.0 < factor < 2.0
+    assert error(searched) < 0.7 * error(amax_scale)
+    assert float(rows.abs().amax() / searched) <= fmax  # nothing clips
+
+
+def test_calibration_keeps_a_spread_sample_of_rows(monkeypatch):
+    monkeypatch.setattr(kvc, "SCALE_SEARCH_ROWS", 100)
+    attention = type("Attention", (kvc.Float8KVAttentionMixin,), {})()
+    attention.start_calibration()
+    attention.qfp8_kv_scale_search = True
+    for batch in range(6):  # [B=1, H=2, S=40, D=4]: token t of batch b holds b * 1000 + t
+        values = (batch * 1000 + torch.arange(40.0)).reshape(1, 1, 40, 1).expand(1, 2, 40, 4)
+        attention._record_kv_amax(values, values)
+    kept = torch.cat(attention._kv_rows[0])
+    assert 50 < kept.shape[0] <= 100
+    assert kept.shape[1] == 8
+    assert set((kept[:, 0] // 1000).tolist()) == set(range(6))  # every batch is represented
