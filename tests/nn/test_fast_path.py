@@ -6,11 +6,11 @@ the output is the bare op's, bit for bit; a profiler sees no Python call in
 the call but the op; and on SmolLM2-135M's layer shapes at M = 1 a QLinear
 call costs little more than the bare op call (median, interleaved: the
 fast-path table of ``bench/decode.py``).
-Over a SmolLM2 decoder layer's projections QLinear measured 1.03-1.05x the
+Over a SmolLM2 decoder layer's projections QLinear measured 1.04-1.05x the
 bare ``OpOverload`` call once ``QLinear.__call__`` skipped
 ``nn.Module.__call__`` and decided whether it may when its state changes
 rather than on every call (1.15-1.17x with nn.Module.__call__, 1.04-1.08x
-checking every hook dict per call); per shape 1.01-1.08x, the smallest
+checking every hook dict per call); per shape 1.02-1.08x, the smallest
 (576 -> 192) the highest. The test
 guards at 1.20x: timing inside the suite runs a few percent higher, and a
 timing failure must mean a regression (a microsecond more per call), not
