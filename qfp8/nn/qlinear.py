@@ -384,7 +384,7 @@ class QLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.calibrating:
             return self._calibration_forward(x)
-        if self.__dict__["_fast"] is None and not _is_compiling():
+        if not _is_compiling() and self.__dict__["_fast"] is None:
             # Something disarmed the fast path (see _arm); arm it again if the
             # regular path is no longer needed.
             self._arm()

@@ -206,6 +206,30 @@ def test_module_compile_takes_the_compiled_call():
     assert torch.equal(layer(x), layer._op(*bare_call_args(layer, x)))
 
 
+def test_arming_and_disarming_do_not_recompile_a_compiled_model():
+    # Eager calls re-arm what attribute writes disarm; a compiled model of the
+    # same layer must not see that state (a guard on it would recompile).
+    layer = make_layer(QuantizationScheme())
+    model = nn.Sequential(layer)
+    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    compilations = []
+
+    def backend(graph_module, example_inputs):
+        compilations.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    expected = layer._op(*bare_call_args(layer, x))
+    for step in range(3):
+        assert torch.equal(compiled(x), expected)
+        layer.note = step  # disarms
+        assert torch.equal(model(x), expected)  # eager: re-arms
+        assert layer.__dict__["_fast"] is not None
+    assert len(compilations) == 1
+    torch._dynamo.reset()
+
+
 def test_calibration_and_uncalibrated_layers_take_the_regular_path():
     scheme = QuantizationScheme(activations="static", activation_scale="tensor")
     layer = QLinear.from_linear(nn.Linear(96, 64).to(torch.bfloat16), scheme, "layer")
