@@ -10,7 +10,8 @@
    interleaved in one process and medians reported.
 3. Accuracy: SmolLM2-135M (float32) on pydoc_data windows, K/V cache in
    float32 (reference), bf16, FP8 static per-tensor (calibrated on other
-   windows), FP8 dynamic per-head, and each FP8 one with key centering.
+   windows; amax scales and searched scales), FP8 dynamic per-head, and each
+   FP8 one with key centering.
    Mean per-token KL divergence from the float32-cache model and perplexity.
 
 ``--quick`` (CI): 2 layers, contexts 128/512, eager, and a tiny random Llama
