@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers", reason="checkpoint tests build transformers models")
 
@@ -35,6 +36,15 @@ def tokens(seed=1, batch=2, length=12):
     return torch.randint(0, 128, (batch, length), generator=generator)
 
 
+def checkpoint_tensors(path):
+    """Every tensor of the ``*.safetensors`` files of a checkpoint folder, by name."""
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
 class Tiny:
     """The helpers above, as a fixture (tests are imported with --import-mode=importlib)."""
 
@@ -42,6 +52,7 @@ class Tiny:
     config = staticmethod(tiny_config)
     model = staticmethod(tiny_model)
     tokens = staticmethod(tokens)
+    tensors = staticmethod(checkpoint_tensors)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 import torch
-from safetensors import safe_open
 
 import qfp8
 from qfp8.cli import main
@@ -24,14 +23,6 @@ KWARGS = {
     "tensor-a-token": dict(weight_scale="tensor", activations="dynamic"),
     "block": dict(weight_scale="block", block_size=(32, 32)),
 }
-
-
-def _tensors(path):
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASES.keys())
@@ -56,7 +47,7 @@ def test_stream_equals_in_memory_bitwise(tiny, tmp_path, case):
     model = tiny.model(torch.bfloat16)
     qfp8.quantize(model, **KWARGS[case])
     qfp8.save_pretrained(model, tmp_path / "memory")
-    streamed, in_memory = _tensors(tmp_path / "stream"), _tensors(tmp_path / "memory")
+    streamed, in_memory = tiny.tensors(tmp_path / "stream"), tiny.tensors(tmp_path / "memory")
     assert streamed.keys() == in_memory.keys()
     for key, value in in_memory.items():
         assert streamed[key].dtype == value.dtype, key

@@ -17,7 +17,6 @@ import textwrap
 
 import pytest
 import torch
-from safetensors import safe_open
 from torch import nn
 
 import qfp8
@@ -57,18 +56,6 @@ def float_model(tiny, arch: str, dtype=torch.bfloat16, seed=0, **overrides):
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def calibration_ids(seed=5, rows=2, length=12):
-    return torch.randint(0, 128, (rows, length), generator=torch.Generator().manual_seed(seed))
-
-
-def tensors(path):
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
 def quantization_config(path):
     return json.loads((path / "config.json").read_text())["quantization_config"]
 
@@ -81,8 +68,8 @@ def in_memory(model, ids, kwargs, directory):
     return model
 
 
-def assert_same_checkpoint(streamed_dir, memory_dir):
-    streamed, memory = tensors(streamed_dir), tensors(memory_dir)
+def assert_same_checkpoint(tiny, streamed_dir, memory_dir):
+    streamed, memory = tiny.tensors(streamed_dir), tiny.tensors(memory_dir)
     assert streamed.keys() == memory.keys()
     for key, value in memory.items():
         assert streamed[key].dtype == value.dtype and streamed[key].shape == value.shape, key
@@ -96,13 +83,13 @@ def assert_same_checkpoint(streamed_dir, memory_dir):
 def test_streamed_calibration_equals_in_memory(tiny, tmp_path, arch, kwargs):
     source = tmp_path / "float"
     float_model(tiny, arch).save_pretrained(source, max_shard_size="100KB")
-    ids = calibration_ids()
+    ids = tiny.tokens(seed=5)
     stream_kwargs = {("weight_scale_granularity" if k == "weight_scale" else k): v for k, v in kwargs.items()}
     summary = stream_quantize(
         source, tmp_path / "stream", calibration_ids=ids, progress=False, max_shard_size="90KB", **stream_kwargs
     )
     model = in_memory(float_model(tiny, arch), ids, kwargs, tmp_path / "memory")
-    memory = assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
+    memory = assert_same_checkpoint(tiny, tmp_path / "stream", tmp_path / "memory")
 
     static, kv = kwargs.get("activations") == "static", kwargs.get("kv_cache")
     quantized = 14 + (kwargs.get("exclude") == ())  # lm_head too when nothing is excluded
@@ -124,7 +111,7 @@ def test_streamed_calibration_equals_in_memory(tiny, tmp_path, arch, kwargs):
         # kv_cache_scheme cannot say e5m2: qfp8 names a non-e4m3fn cache in qfp8_kv_cache_dtype.
         assert qc.get("qfp8_kv_cache_dtype") == (None if kv == "float8_e4m3fn" else kv)
         assert loaded.qfp8_kv_cache_dtype == getattr(torch, kv)
-    x = calibration_ids(seed=9)
+    x = tiny.tokens(seed=9)
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, model(x).logits)
 
@@ -133,7 +120,7 @@ def test_cli_calibration_ids_file_and_batches(tiny, tmp_path):
     """``--calibration-ids FILE`` run two rows at a time equals in-memory calibration over the same two batches."""
     source = tmp_path / "float"
     tiny.model(torch.bfloat16).save_pretrained(source)
-    ids = calibration_ids(rows=4, length=10)
+    ids = tiny.tokens(seed=5, batch=4, length=10)
     ids_file = tmp_path / "ids.txt"
     ids_file.write_text("\n".join(" ".join(str(int(t)) for t in row) for row in ids) + "\n")
     argv = ["quantize", str(source), str(tmp_path / "stream"), "--no-progress", "--activations", "static"]
@@ -145,7 +132,7 @@ def test_cli_calibration_ids_file_and_batches(tiny, tmp_path):
         for batch in ids.split(2):
             model(batch)
     qfp8.save_pretrained(model, tmp_path / "memory")
-    assert_same_checkpoint(tmp_path / "stream", tmp_path / "memory")
+    assert_same_checkpoint(tiny, tmp_path / "stream", tmp_path / "memory")
 
 
 def save_word_tokenizer(directory, words=120):
@@ -180,10 +167,10 @@ def test_calibration_text_is_tokenized_with_the_source_tokenizer(tiny, tmp_path)
         ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:40])
         assert ids.numel() == 40 and len(set(ids.tolist())) > 5  # words, not only [UNK]
         in_memory(tiny.model(torch.bfloat16), ids[None], dict(activations="static"), tmp_path / f"{name}-memory")
-        assert_same_checkpoint(tmp_path / name, tmp_path / f"{name}-memory")
+        assert_same_checkpoint(tiny, tmp_path / name, tmp_path / f"{name}-memory")
     assert not torch.equal(
-        tensors(tmp_path / "default")["model.layers.0.mlp.up_proj.input_scale"],
-        tensors(tmp_path / "file")["model.layers.0.mlp.up_proj.input_scale"],
+        tiny.tensors(tmp_path / "default")["model.layers.0.mlp.up_proj.input_scale"],
+        tiny.tensors(tmp_path / "file")["model.layers.0.mlp.up_proj.input_scale"],
     )
 
 
@@ -192,7 +179,7 @@ def test_unsupported_architecture_and_bad_ids(tiny, tmp_path):
     transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
     for kwargs in (dict(activations="static"), dict(kv_cache="float8_e4m3fn")):
         with pytest.raises(ValueError, match=r"Llama family.*GPT2LMHeadModel \(model_type 'gpt2'\)"):
-            stream_quantize(tmp_path / "gpt2", tmp_path / "out", calibration_ids=calibration_ids(), **kwargs)
+            stream_quantize(tmp_path / "gpt2", tmp_path / "out", calibration_ids=tiny.tokens(seed=5), **kwargs)
     assert not (tmp_path / "out").exists()
     tiny.model().save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match=r"span \[0, 200\].*\[0, 128\)"):
@@ -227,7 +214,7 @@ def test_one_decoder_layer_is_materialized_at_a_time(tiny, tmp_path):
     try:
         stream_quantize(
             tmp_path / "float", tmp_path / "out", activations="static", kv_cache="float8_e4m3fn",
-            calibration_ids=calibration_ids(), progress=False,
+            calibration_ids=tiny.tokens(seed=5), progress=False,
         )  # fmt: skip
     finally:
         handle.remove()
