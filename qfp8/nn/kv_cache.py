@@ -308,6 +308,7 @@ class Float8KVAttentionMixin:
 
     qfp8_kv_dtype: torch.dtype
     qfp8_center_keys: bool
+    qfp8_kv_scale_search: bool
     qfp8_kv_calibrating: bool
 
     def start_calibration(self) -> None:
@@ -323,7 +324,7 @@ class Float8KVAttentionMixin:
         k_amax, v_amax = self._kv_amax
         k_scale = formats.scale_from_amax(k_amax, self.qfp8_kv_dtype).reshape(1)
         v_scale = formats.scale_from_amax(v_amax, self.qfp8_kv_dtype).reshape(1)
-        if getattr(self, "qfp8_kv_scale_search", False) and self._kv_rows[0]:
+        if self.qfp8_kv_scale_search and self._kv_rows[0]:
             k_scale = search_scale(torch.cat(self._kv_rows[0]), k_scale, self.qfp8_kv_dtype)
             v_scale = search_scale(torch.cat(self._kv_rows[1]), v_scale, self.qfp8_kv_dtype)
         self.k_scale, self.v_scale = k_scale, v_scale
@@ -335,7 +336,7 @@ class Float8KVAttentionMixin:
         if self._kv_amax is not None:
             k_amax, v_amax = torch.maximum(k_amax, self._kv_amax[0]), torch.maximum(v_amax, self._kv_amax[1])
         self._kv_amax = (k_amax, v_amax)
-        if getattr(self, "qfp8_kv_scale_search", False):
+        if self.qfp8_kv_scale_search:
             self._keep_kv_rows(key_states, value_states)
 
     def _keep_kv_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
