@@ -311,6 +311,12 @@ class Float8KVAttentionMixin:
     qfp8_kv_scale_search: bool
     qfp8_kv_calibrating: bool
 
+    def __reduce_ex__(self, protocol):
+        # The mixed class is made at run time, so pickle cannot find it by
+        # name: rebuild it from the attention class it was mixed into.
+        base = type(self).__mro__[type(self).__mro__.index(Float8KVAttentionMixin) + 1]
+        return _unpickle_attention, (base,), self.__getstate__()
+
     def start_calibration(self) -> None:
         self.qfp8_kv_calibrating = True
         self._kv_amax: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -376,6 +382,12 @@ def _with_mixin(cls: type) -> type:
         mixed = type(f"Float8KV{cls.__name__}", (Float8KVAttentionMixin, cls), {"__module__": cls.__module__})
         _MIXED_CLASSES[cls] = mixed
     return mixed
+
+
+def _unpickle_attention(base: type) -> nn.Module:
+    """An empty FP8-cache attention module of ``base``'s mixed class; pickle then restores its state."""
+    _register_fused_attention()  # the unpickled model's config may name it
+    return _with_mixin(base).__new__(_with_mixin(base))
 
 
 def _is_llama_attention(module: nn.Module) -> bool:

@@ -1,6 +1,10 @@
 """FP8 KV cache: round trip, attention accuracy, generation (dynamic/static, eager/compiled), scales in state dicts."""
 
 import copy
+import os
+import pathlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -340,6 +344,45 @@ def test_calibrated_scales_save_and_reload(base_model, prompt):
     kvc.enable_fp8_kv_cache(again)
     again.load_state_dict(zero_dim)
     assert again.model.layers[0].self_attn.k_scale.shape == (1,)
+
+
+def test_whole_model_pickles_in_a_fresh_process(base_model, prompt, tmp_path):
+    """torch.save of a whole model with the FP8 cache (and FP8 weights) loads in a new process with equal logits.
+
+    The attention classes with the FP8 mixin are made at run time; pickle
+    must rebuild them, and the fused attention function the config names
+    must be registered again, without the loading process importing qfp8.
+    """
+    model = copy.deepcopy(base_model)
+    qfp8.quantize(model, weights="float8_e4m3fn", weight_scale="channel", kv_cache="float8_e4m3fn")
+    with qfp8.calibrate(model):
+        model(prompt, use_cache=False)
+    qfp8.freeze(model)
+    _, logits = _greedy(model, prompt, DynamicCache(config=model.config), 3)
+    torch.save({"model": model, "prompt": prompt}, tmp_path / "model.pt")
+    script = f"""
+import sys, torch
+from transformers import DynamicCache
+saved = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+model, prompt = saved["model"], saved["prompt"]
+assert "qfp8" in sys.modules  # pulled in by unpickling, not imported here
+cache = DynamicCache(config=model.config)
+with torch.no_grad():
+    logits = model(prompt, cache=cache, use_cache=True).logits
+    steps = []
+    token = logits[:, -1:].argmax(-1)
+    for i in range(3):
+        position = torch.full((prompt.shape[0], 1), prompt.shape[1] + i)
+        step = model(token, cache=cache, position_ids=position, use_cache=True).logits
+        steps.append(step)
+        token = step[:, -1:].argmax(-1)
+assert type(cache.layers[0]).__name__.startswith("Float8"), type(cache.layers[0])
+torch.save(torch.cat(steps, 1), {str(tmp_path / "logits.pt")!r})
+"""
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(qfp8.__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), logits)
 
 
 def test_missing_scale_falls_back_to_dynamic_with_one_warning(base_model, prompt):
