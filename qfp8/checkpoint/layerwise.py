@@ -247,7 +247,8 @@ def _excluded_here(module: nn.Module, prefix: str, quantized: dict) -> list[str]
 
 
 def _static_scales(module: nn.Module, prefix: str, where: str) -> dict[str, torch.Tensor]:
-    """``input_scale`` of each static QLinear and ``k_scale``/``v_scale`` of each FP8 KV cache in ``module``."""
+    """What calibration chose in ``module``: ``input_scale`` of each static QLinear, ``k_scale``/``v_scale`` of
+    each FP8 KV cache, and ``weight``/``weight_scale`` of each accuracy-mode QLinear."""
     from qfp8.nn.kv_cache import Float8KVAttentionMixin  # imports transformers: not at `qfp8 --help` time
 
     scales = {}
@@ -257,6 +258,12 @@ def _static_scales(module: nn.Module, prefix: str, where: str) -> dict[str, torc
             if child.input_scale is None:
                 raise RuntimeError(f"{where}: {full} received no calibration input")
             scales[full + ".input_scale"] = child.input_scale.detach().clone()
+        if isinstance(child, QLinear) and child.accuracy is not None:
+            if child.accuracy_pending:
+                raise RuntimeError(f"{where}: {full} received no calibration input for accuracy={child.accuracy!r}")
+            # The weight itself: the accuracy mode chose it (and its scale) from the calibration inputs.
+            scales[full + ".weight"] = child.canonical_weight().detach().clone()
+            scales[full + ".weight_scale"] = child.weight_scale.detach().clone()
         if isinstance(child, Float8KVAttentionMixin):
             if child.k_scale is None or child.v_scale is None:
                 raise RuntimeError(f"{where}: {full} recorded no K/V during calibration")
@@ -281,7 +288,9 @@ def calibrate_layerwise(
     ``[rows, T]`` (or a 1-D stream, cut into rows), run ``batch_size`` rows at
     a time (default: all at once). ``on_step(done, total)`` is called after
     the embedding and each layer. Returns ``{name: float32 [1]}`` for every
-    ``input_scale``, ``k_scale`` and ``v_scale``, named as
+    ``input_scale``, ``k_scale`` and ``v_scale``, and with
+    ``quantize_args["accuracy"]`` also each quantized linear's FP8 ``weight``
+    and ``weight_scale`` (kept in memory: the FP8 checkpoint's size), named as
     ``qfp8.save_pretrained`` names them.
     """
     from transformers.cache_utils import DynamicCache
@@ -302,7 +311,9 @@ def calibrate_layerwise(
         raise ValueError(f"calibration batch size must be >= 1, got {batch_size}")
     batches = list(ids.split(batch_size or ids.shape[0]))
     use_cache = bool(getattr(config, "use_cache", True))
-    calibrate_head = quantize_args.get("activations") == "static" and "lm_head" in quantized
+    calibrate_head = "lm_head" in quantized and (
+        quantize_args.get("activations") == "static" or quantize_args.get("accuracy") is not None
+    )
     total = 1 + len(layers) + calibrate_head
     step = on_step or (lambda done, total: None)
     scales: dict[str, torch.Tensor] = {}

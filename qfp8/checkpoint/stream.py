@@ -26,6 +26,11 @@ scales (``input_scale``, ``k_scale``/``v_scale``, float32 ``[1]``) are the
 ones ``qfp8.quantize`` + ``qfp8.calibrate`` over the same batches on the
 whole model followed by ``qfp8.save_pretrained`` write, bit for bit. Each
 calibrated layer's weights are read once more for it.
+
+``--accuracy gptq`` (or ``scale``) chooses the FP8 weights themselves from the
+same layer-by-layer calibration (qfp8/rounding.py); they equal in-memory
+``qfp8.quantize(..., accuracy=...)`` + ``qfp8.calibrate``, bit for bit, and
+are held in memory until written (the size of the FP8 checkpoint).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from qfp8 import formats
+from qfp8 import formats, rounding
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint import layerwise
 from qfp8.checkpoint.readers import open_checkpoint
@@ -115,6 +120,7 @@ def stream_quantize(
     calibration_ids: torch.Tensor | None = None,
     calibration_tokens: int = layerwise.DEFAULT_TOKENS,
     calibration_batch_size: int | None = None,
+    accuracy: str | None = None,
 ) -> dict:
     """Quantizes the float checkpoint ``src`` into ``dst``; returns a summary (counts and bytes).
 
@@ -124,9 +130,12 @@ def stream_quantize(
     into rows of up to 512) or else on the first ``calibration_tokens`` tokens
     of the text file ``calibration`` (default: a fixed slice of pydoc_data),
     tokenized with the tokenizer in ``src``; ``calibration_batch_size`` rows
-    are run at a time (default: all). Otherwise the calibration arguments are
-    not used.
+    are run at a time (default: all). ``accuracy`` (``"scale"`` or ``"gptq"``,
+    see qfp8/rounding.py) chooses the FP8 weights from the same layer-by-layer
+    calibration; they are held in memory until written. Otherwise the
+    calibration arguments are not used.
     """
+    rounding.check_mode(accuracy)
     scheme = QuantizationScheme.from_args(weights, weight_scale_granularity, activations, activation_scale, block_size)
     if kv_cache not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache {kv_cache!r}; expected one of {list(KV_CACHE_DTYPES)}")
@@ -136,7 +145,7 @@ def stream_quantize(
         raise ValueError(
             f"{checkpoint.directory}: already quantized ({plan.format}); qfp8 quantize takes a float checkpoint"
         )
-    needs_calibration = scheme.activations == "static" or kv_cache is not None
+    needs_calibration = scheme.activations == "static" or kv_cache is not None or accuracy is not None
     if needs_calibration:
         layerwise.check_architecture(checkpoint.config, checkpoint.directory)
         if calibration_ids is None:
@@ -168,6 +177,7 @@ def stream_quantize(
             activation_scale=activation_scale,
             block_size=block_size,
             kv_cache=kv_cache,
+            accuracy=accuracy,
         )
         bar = _progress(0, progress, desc="calibrate", unit="layer")
         try:
@@ -189,6 +199,8 @@ def stream_quantize(
         return PlannedTensor(name, torch.float32, (1,), lambda: calibrated[name])
 
     def scale_of(module: str) -> torch.Tensor:
+        if module + ".weight_scale" in calibrated:  # chosen by the accuracy mode
+            return calibrated[module + ".weight_scale"]
         if module not in scales:
             scales[module] = weight_scale(plan.load(module + ".weight", mmap=False), scheme)
         return scales[module]
@@ -203,7 +215,19 @@ def stream_quantize(
     for key, stored in plan.tensors.items():
         info = stored.file.info(stored.name)
         module = key[: -len(".weight")] if key.endswith(".weight") else None
-        if module in quantized:
+        if module in quantized and key in calibrated:  # accuracy mode: weight and scale as calibration chose
+            out.append(PlannedTensor(key, scheme.weight_dtype, tuple(info.shape), lambda key=key: calibrated[key]))
+            out.append(
+                PlannedTensor(
+                    module + ".weight_scale",
+                    torch.float32,
+                    tuple(calibrated[module + ".weight_scale"].shape),
+                    lambda m=module: scale_of(m),
+                )
+            )
+            if module + ".input_scale" in calibrated:
+                out.append(scalar(module + ".input_scale"))
+        elif module in quantized:
             n, k = info.shape
             shape = {"tensor": (1,), "channel": (n, 1)}.get(scheme.weight_scale) or formats.block_scale_shape(
                 (n, k), scheme.block_size
@@ -243,7 +267,8 @@ def stream_quantize(
         "ignored": len(ignored),
         "shards": shards,
         "bytes": sum(t.nbytes for t in out),
-        "calibrated": len(calibrated),
+        "calibrated": sum(name.endswith(("input_scale", "k_scale", "v_scale")) for name in calibrated),
+        "accuracy_weights": sum(name.endswith(".weight") for name in calibrated),
         "calibration_tokens": calibration_ids.numel() if needs_calibration else 0,
     }
 
@@ -320,6 +345,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calibration-batch-size", type=int, default=None, metavar="ROWS", help="rows run at a time (default: all)"
     )
+    parser.add_argument(
+        "--accuracy",
+        default=None,
+        choices=[mode for mode in rounding.ACCURACY_MODES if mode],
+        help="choose each FP8 weight and scale for the least output error on the calibration text, layer by "
+        "layer (Llama family; same on-disk format); use a few thousand tokens (--calibration-tokens)",
+    )
     parser.add_argument("--exclude", nargs="*", default=["lm_head"], help="fnmatch patterns of modules kept in float")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE)
     parser.add_argument("--no-progress", action="store_true")
@@ -342,10 +374,12 @@ def run(args: argparse.Namespace) -> int:
         calibration_ids=None if args.calibration_ids is None else layerwise.read_token_ids(args.calibration_ids),
         calibration_tokens=args.calibration_tokens,
         calibration_batch_size=args.calibration_batch_size,
+        accuracy=args.accuracy,
     )
     calibrated = (
-        f", {summary['calibrated']} static scales calibrated on {summary['calibration_tokens']} tokens"
-        if summary["calibrated"]
+        f", {summary['calibrated']} static scales and {summary['accuracy_weights']} accuracy-mode weights "
+        f"calibrated on {summary['calibration_tokens']} tokens"
+        if summary["calibration_tokens"]
         else ""
     )
     print(

@@ -39,6 +39,13 @@ CASES = {
     ),
     "mistral-sliding-a-static": ("mistral", dict(activations="static")),  # FP8 KV: full attention only
     "qwen3-a-static-kv": ("qwen3", dict(activations="static", kv_cache="float8_e4m3fn")),
+    # Accuracy mode: the weights themselves come from the layer-by-layer calibration.
+    "llama-w-channel-gptq": ("llama", dict(weight_scale="channel", accuracy="gptq")),
+    "llama-w-block-a-static-gptq-lm_head": (
+        "llama",
+        dict(weight_scale="block", block_size=(32, 32), activations="static", accuracy="gptq", exclude=()),
+    ),
+    "qwen3-w-tensor-scale-kv": ("qwen3", dict(weight_scale="tensor", accuracy="scale", kv_cache="float8_e4m3fn")),
 }
 
 
@@ -100,6 +107,15 @@ def test_streamed_calibration_equals_in_memory(tiny, tmp_path, arch, kwargs):
         sorted(f"model.layers.{i}.self_attn.{s}_scale" for i in range(2) for s in "kv") if kv else []
     )
     assert summary["calibrated"] == len(input_scales) + len(kv_scales)
+    if kwargs.get("accuracy"):
+        assert summary["accuracy_weights"] == quantized
+        # The accuracy mode changed the weights: they are not round to nearest with amax / fmax scales.
+        plain_kwargs = {k: v for k, v in stream_kwargs.items() if k != "accuracy"}
+        stream_quantize(source, tmp_path / "plain", calibration_ids=ids, progress=False, **plain_kwargs)
+        plain = tiny.tensors(tmp_path / "plain")
+        changed = [k for k in memory if k.endswith(".weight") and not torch.equal(plain[k].float(), memory[k].float())]
+        # gptq moves every row; "scale" may keep c = 1 where amax / fmax is already the best per-tensor choice.
+        assert len(changed) == quantized if kwargs["accuracy"] == "gptq" else len(changed) >= quantized // 2, changed
     assert all(memory[k].dtype == torch.float32 and memory[k].shape == (1,) for k in input_scales + kv_scales)
     qc = quantization_config(tmp_path / "stream")
     assert (qc["kv_cache_scheme"] is not None) == bool(kv)
@@ -133,6 +149,25 @@ def test_cli_calibration_ids_file_and_batches(tiny, tmp_path):
             model(batch)
     qfp8.save_pretrained(model, tmp_path / "memory")
     assert_same_checkpoint(tiny, tmp_path / "stream", tmp_path / "memory")
+
+
+def test_cli_accuracy_mode(tiny, tmp_path, capsys):
+    """``qfp8 quantize --accuracy gptq`` writes the weights in-memory ``accuracy="gptq"`` calibration chooses."""
+    source = tmp_path / "float"
+    tiny.model(torch.bfloat16).save_pretrained(source)
+    ids = tiny.tokens(seed=5, batch=4, length=10)
+    ids_file = tmp_path / "ids.txt"
+    ids_file.write_text("\n".join(" ".join(str(int(t)) for t in row) for row in ids) + "\n")
+    argv = ["quantize", str(source), str(tmp_path / "stream"), "--no-progress", "--accuracy", "gptq"]
+    assert main([*argv, "--calibration-ids", str(ids_file)]) == 0
+    assert "0 static scales and 14 accuracy-mode weights calibrated on 40 tokens" in capsys.readouterr().out
+    in_memory(tiny.model(torch.bfloat16), ids, dict(accuracy="gptq"), tmp_path / "memory")
+    assert_same_checkpoint(tiny, tmp_path / "stream", tmp_path / "memory")
+    with pytest.raises(SystemExit):
+        main([*argv, "--accuracy", "best"])  # argparse names the choices
+    with pytest.raises(ValueError, match="unknown accuracy mode 'best'"):
+        stream_quantize(source, tmp_path / "bad", accuracy="best", progress=False)
+    assert not (tmp_path / "bad").exists()
 
 
 def save_word_tokenizer(directory, words=120):
