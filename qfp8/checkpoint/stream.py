@@ -19,10 +19,10 @@ checkpoints that runs first, one decoder layer at a time (see
 memory, plus the hidden states of the calibration tokens. The text is
 ``--calibration FILE``, or by default a fixed slice of ``pydoc_data``
 (``layerwise.DEFAULT_TEXT_OFFSET``), tokenized with the tokenizer in SRC
-without special tokens; its first ``--calibration-tokens`` (512) tokens are
-cut into rows of up to 512, run as one batch (or ``--calibration-batch-size``
-rows at a time). ``--calibration-ids FILE`` gives token ids instead. The
-scales (``input_scale``, ``k_scale``/``v_scale``, float32 ``[1]``) are the
+without special tokens; its first ``--calibration-tokens`` (512, or 8,192
+with ``--accuracy``) tokens are cut into rows of up to 512, run as one batch
+(or ``--calibration-batch-size`` rows at a time). ``--calibration-ids FILE``
+gives token ids instead. The scales (``input_scale``, ``k_scale``/``v_scale``, float32 ``[1]``) are the
 ones ``qfp8.quantize`` + ``qfp8.calibrate`` over the same batches on the
 whole model followed by ``qfp8.save_pretrained`` write, bit for bit. Each
 calibrated layer's weights are read once more for it.
@@ -118,7 +118,7 @@ def stream_quantize(
     kv_cache: str | None = None,
     calibration: str | os.PathLike | None = None,
     calibration_ids: torch.Tensor | None = None,
-    calibration_tokens: int = layerwise.DEFAULT_TOKENS,
+    calibration_tokens: int | None = None,
     calibration_batch_size: int | None = None,
     accuracy: str | None = None,
 ) -> dict:
@@ -128,7 +128,8 @@ def stream_quantize(
     ``"float8_e5m2"``), a Llama-family checkpoint is calibrated layer by layer
     first, on ``calibration_ids`` (token ids ``[rows, T]``, or a 1-D stream cut
     into rows of up to 512) or else on the first ``calibration_tokens`` tokens
-    of the text file ``calibration`` (default: a fixed slice of pydoc_data),
+    of the text file ``calibration`` (default: a fixed slice of pydoc_data;
+    ``calibration_tokens`` defaults to 512, or 8,192 with ``accuracy``),
     tokenized with the tokenizer in ``src``; ``calibration_batch_size`` rows
     are run at a time (default: all). ``accuracy`` (``"scale"`` or ``"gptq"``,
     see qfp8/rounding.py) chooses the FP8 weights from the same layer-by-layer
@@ -151,6 +152,8 @@ def stream_quantize(
         if calibration_ids is None:
             text = None if calibration is None else Path(calibration).read_text()
             tokenizer = layerwise.load_tokenizer(checkpoint.directory)
+            if calibration_tokens is None:
+                calibration_tokens = layerwise.DEFAULT_TOKENS if accuracy is None else layerwise.ACCURACY_TOKENS
             calibration_ids = layerwise.text_token_ids(tokenizer, text, calibration_tokens)
         calibration_ids = layerwise.calibration_rows(
             calibration_ids,
@@ -338,9 +341,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calibration-tokens",
         type=int,
-        default=layerwise.DEFAULT_TOKENS,
+        default=None,
         metavar="N",
-        help="tokens of calibration text, cut into rows of up to 512 (a shorter remainder is dropped); default 512",
+        help=f"tokens of calibration text, cut into rows of up to 512 (a shorter remainder is dropped); default "
+        f"{layerwise.DEFAULT_TOKENS}, or {layerwise.ACCURACY_TOKENS} with --accuracy",
     )
     parser.add_argument(
         "--calibration-batch-size", type=int, default=None, metavar="ROWS", help="rows run at a time (default: all)"
@@ -350,7 +354,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=[mode for mode in rounding.ACCURACY_MODES if mode],
         help="choose each FP8 weight and scale for the least output error on the calibration text, layer by "
-        "layer (Llama family; same on-disk format); use a few thousand tokens (--calibration-tokens)",
+        "layer (Llama family; same on-disk format)",
     )
     parser.add_argument("--exclude", nargs="*", default=["lm_head"], help="fnmatch patterns of modules kept in float")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE)

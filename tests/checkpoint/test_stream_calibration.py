@@ -209,6 +209,28 @@ def test_calibration_text_is_tokenized_with_the_source_tokenizer(tiny, tmp_path)
     )
 
 
+def test_accuracy_mode_calibrates_on_more_text_by_default(tiny, tmp_path, monkeypatch):
+    """Without --calibration-tokens: 512 tokens for scales, ACCURACY_TOKENS when --accuracy fits the weights."""
+    source = tmp_path / "float"
+    tiny.model(torch.bfloat16).save_pretrained(source)
+    save_word_tokenizer(source)
+    asked = []
+    real = layerwise.text_token_ids
+
+    def recording(tokenizer, text=None, tokens=layerwise.DEFAULT_TOKENS):
+        asked.append(tokens)
+        return real(tokenizer, text, 40)  # the tiny model has 64 positions
+
+    monkeypatch.setattr(layerwise, "text_token_ids", recording)
+    for extra in (
+        ["--activations", "static"],
+        ["--accuracy", "gptq"],
+        ["--accuracy", "gptq", "--calibration-tokens", "99"],
+    ):
+        assert main(["quantize", str(source), str(tmp_path / str(len(asked))), "--no-progress", *extra]) == 0
+    assert asked == [layerwise.DEFAULT_TOKENS, layerwise.ACCURACY_TOKENS, 99]
+
+
 def test_unsupported_architecture_and_bad_ids(tiny, tmp_path):
     gpt2 = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
     transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
