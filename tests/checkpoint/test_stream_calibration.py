@@ -132,13 +132,19 @@ def test_streamed_calibration_equals_in_memory(tiny, tmp_path, arch, kwargs):
         assert torch.equal(loaded(x).logits, model(x).logits)
 
 
-def test_cli_calibration_ids_file_and_batches(tiny, tmp_path):
-    """``--calibration-ids FILE`` run two rows at a time equals in-memory calibration over the same two batches."""
+def float_checkpoint_and_ids_file(tiny, tmp_path):
+    """A bf16 tiny-Llama checkpoint folder, 4 x 10 token ids and those ids as a ``--calibration-ids`` file."""
     source = tmp_path / "float"
     tiny.model(torch.bfloat16).save_pretrained(source)
     ids = tiny.tokens(seed=5, batch=4, length=10)
     ids_file = tmp_path / "ids.txt"
     ids_file.write_text("\n".join(" ".join(str(int(t)) for t in row) for row in ids) + "\n")
+    return source, ids, ids_file
+
+
+def test_cli_calibration_ids_file_and_batches(tiny, tmp_path):
+    """``--calibration-ids FILE`` run two rows at a time equals in-memory calibration over the same two batches."""
+    source, ids, ids_file = float_checkpoint_and_ids_file(tiny, tmp_path)
     argv = ["quantize", str(source), str(tmp_path / "stream"), "--no-progress", "--activations", "static"]
     argv += ["--kv-cache", "float8_e4m3fn", "--calibration-ids", str(ids_file), "--calibration-batch-size", "2"]
     assert main(argv) == 0
@@ -153,11 +159,7 @@ def test_cli_calibration_ids_file_and_batches(tiny, tmp_path):
 
 def test_cli_accuracy_mode(tiny, tmp_path, capsys):
     """``qfp8 quantize --accuracy gptq`` writes the weights in-memory ``accuracy="gptq"`` calibration chooses."""
-    source = tmp_path / "float"
-    tiny.model(torch.bfloat16).save_pretrained(source)
-    ids = tiny.tokens(seed=5, batch=4, length=10)
-    ids_file = tmp_path / "ids.txt"
-    ids_file.write_text("\n".join(" ".join(str(int(t)) for t in row) for row in ids) + "\n")
+    source, ids, ids_file = float_checkpoint_and_ids_file(tiny, tmp_path)
     argv = ["quantize", str(source), str(tmp_path / "stream"), "--no-progress", "--accuracy", "gptq"]
     assert main([*argv, "--calibration-ids", str(ids_file)]) == 0
     assert "0 static scales and 14 accuracy-mode weights calibrated on 40 tokens" in capsys.readouterr().out
