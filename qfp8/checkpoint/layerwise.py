@@ -249,7 +249,7 @@ def _excluded_here(module: nn.Module, prefix: str, quantized: dict) -> list[str]
     ]
 
 
-def _static_scales(module: nn.Module, prefix: str, where: str) -> dict[str, torch.Tensor]:
+def _calibrated_tensors(module: nn.Module, prefix: str, where: str) -> dict[str, torch.Tensor]:
     """What calibration chose in ``module``: ``input_scale`` of each static QLinear, ``k_scale``/``v_scale`` of
     each FP8 KV cache, and ``weight``/``weight_scale`` of each accuracy-mode QLinear."""
     from qfp8.nn.kv_cache import Float8KVAttentionMixin  # imports transformers: not at `qfp8 --help` time
@@ -348,7 +348,7 @@ def calibrate_layerwise(
                         position_embeddings=inputs["position_embeddings"],
                     )
                     hidden[b] = out[0] if isinstance(out, tuple) else out
-            scales.update(_static_scales(layer, prefix, str(plan.directory)))
+            scales.update(_calibrated_tensors(layer, prefix, str(plan.directory)))
             del layer, out
             _return_freed_memory()
             step(2 + index, total)
@@ -361,6 +361,6 @@ def calibrate_layerwise(
             with calibrate(holder):
                 for state in hidden:
                     holder.lm_head(base.norm(state))
-            scales.update(_static_scales(holder, "", str(plan.directory)))
+            scales.update(_calibrated_tensors(holder, "", str(plan.directory)))
             step(total, total)
     return scales

@@ -218,31 +218,22 @@ def stream_quantize(
     for key, stored in plan.tensors.items():
         info = stored.file.info(stored.name)
         module = key[: -len(".weight")] if key.endswith(".weight") else None
-        if module in quantized and key in calibrated:  # accuracy mode: weight and scale as calibration chose
-            out.append(PlannedTensor(key, scheme.weight_dtype, tuple(info.shape), lambda key=key: calibrated[key]))
-            out.append(
-                PlannedTensor(
-                    module + ".weight_scale",
-                    torch.float32,
-                    tuple(calibrated[module + ".weight_scale"].shape),
-                    lambda m=module: scale_of(m),
-                )
-            )
-            if module + ".input_scale" in calibrated:
-                out.append(scalar(module + ".input_scale"))
-        elif module in quantized:
-            n, k = info.shape
-            shape = {"tensor": (1,), "channel": (n, 1)}.get(scheme.weight_scale) or formats.block_scale_shape(
-                (n, k), scheme.block_size
-            )
-            out.append(
-                PlannedTensor(
+        if module in quantized:
+            if key in calibrated:  # accuracy mode: the weight and its scale as calibration chose them
+                weight = PlannedTensor(key, scheme.weight_dtype, tuple(info.shape), lambda key=key: calibrated[key])
+                shape = tuple(calibrated[module + ".weight_scale"].shape)
+            else:
+                n, k = info.shape
+                weight = PlannedTensor(
                     key,
                     scheme.weight_dtype,
                     (n, k),
                     lambda m=module, key=key: quantize_rows(plan.load(key, mmap=False), take_scale(m), scheme),
                 )
-            )
+                shape = {"tensor": (1,), "channel": (n, 1)}.get(scheme.weight_scale) or formats.block_scale_shape(
+                    (n, k), scheme.block_size
+                )
+            out.append(weight)
             out.append(PlannedTensor(module + ".weight_scale", torch.float32, shape, lambda m=module: scale_of(m)))
             if module + ".input_scale" in calibrated:
                 out.append(scalar(module + ".input_scale"))

@@ -387,7 +387,8 @@ def _with_mixin(cls: type) -> type:
 def _unpickle_attention(base: type) -> nn.Module:
     """An empty FP8-cache attention module of ``base``'s mixed class; pickle then restores its state."""
     _register_fused_attention()  # the unpickled model's config may name it
-    return _with_mixin(base).__new__(_with_mixin(base))
+    mixed = _with_mixin(base)
+    return mixed.__new__(mixed)
 
 
 def _is_llama_attention(module: nn.Module) -> bool:
