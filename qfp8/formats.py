@@ -100,6 +100,15 @@ def block_scale_shape(shape: tuple[int, int], block_size: tuple[int, int]) -> tu
     return (math.ceil(n / bn), math.ceil(k / bk))
 
 
+def weight_scale_shape(shape: tuple[int, int], granularity: str, block_size=None) -> tuple[int, ...]:
+    """The weight scale's shape for an ``[N, K]`` weight: ``[1]``, ``[N, 1]`` or the block grid."""
+    if granularity == "tensor":
+        return (1,)
+    if granularity == "channel":
+        return (shape[0], 1)
+    return block_scale_shape(shape, block_size)
+
+
 def _check_block_size(block_size) -> tuple[int, int]:
     if (
         not isinstance(block_size, (tuple, list))

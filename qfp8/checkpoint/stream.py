@@ -22,9 +22,10 @@ memory, plus the hidden states of the calibration tokens. The text is
 without special tokens; its first ``--calibration-tokens`` (512, or 8,192
 with ``--accuracy``) tokens are cut into rows of up to 512, run as one batch
 (or ``--calibration-batch-size`` rows at a time). ``--calibration-ids FILE``
-gives token ids instead. The scales (``input_scale``, ``k_scale``/``v_scale``, float32 ``[1]``) are the
-ones ``qfp8.quantize`` + ``qfp8.calibrate`` over the same batches on the
-whole model followed by ``qfp8.save_pretrained`` write, bit for bit. Each
+gives token ids instead. The scales (``input_scale``, ``k_scale``/``v_scale``,
+float32 ``[1]``) are the ones ``qfp8.quantize`` + ``qfp8.calibrate`` over the
+same batches on the whole model followed by ``qfp8.save_pretrained`` write,
+bit for bit. Each
 calibrated layer's weights are read once more for it.
 
 ``--accuracy gptq`` (or ``scale``) chooses the FP8 weights themselves from the
@@ -219,21 +220,19 @@ def stream_quantize(
         info = stored.file.info(stored.name)
         module = key[: -len(".weight")] if key.endswith(".weight") else None
         if module in quantized:
+            n, k = info.shape
             if key in calibrated:  # accuracy mode: the weight and its scale as calibration chose them
-                weight = PlannedTensor(key, scheme.weight_dtype, tuple(info.shape), lambda key=key: calibrated[key])
-                shape = tuple(calibrated[module + ".weight_scale"].shape)
+                out.append(PlannedTensor(key, scheme.weight_dtype, (n, k), lambda key=key: calibrated[key]))
             else:
-                n, k = info.shape
-                weight = PlannedTensor(
-                    key,
-                    scheme.weight_dtype,
-                    (n, k),
-                    lambda m=module, key=key: quantize_rows(plan.load(key, mmap=False), take_scale(m), scheme),
+                out.append(
+                    PlannedTensor(
+                        key,
+                        scheme.weight_dtype,
+                        (n, k),
+                        lambda m=module, key=key: quantize_rows(plan.load(key, mmap=False), take_scale(m), scheme),
+                    )
                 )
-                shape = {"tensor": (1,), "channel": (n, 1)}.get(scheme.weight_scale) or formats.block_scale_shape(
-                    (n, k), scheme.block_size
-                )
-            out.append(weight)
+            shape = formats.weight_scale_shape((n, k), scheme.weight_scale, scheme.block_size)
             out.append(PlannedTensor(module + ".weight_scale", torch.float32, shape, lambda m=module: scale_of(m)))
             if module + ".input_scale" in calibrated:
                 out.append(scalar(module + ".input_scale"))

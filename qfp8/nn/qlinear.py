@@ -136,12 +136,9 @@ class QLinear(nn.Module):
         self.out_features = out_features
         self.scheme = scheme or QuantizationScheme()
         self.orig_dtype = dtype
-        if self.scheme.weight_scale == "tensor":
-            scale_shape = (1,)
-        elif self.scheme.weight_scale == "channel":
-            scale_shape = (out_features, 1)
-        else:
-            scale_shape = formats.block_scale_shape((out_features, in_features), self.scheme.block_size)
+        scale_shape = formats.weight_scale_shape(
+            (out_features, in_features), self.scheme.weight_scale, self.scheme.block_size
+        )
         self.register_buffer(
             "qweight",
             torch.zeros(out_features, in_features, dtype=self.scheme.weight_dtype, device=device),
