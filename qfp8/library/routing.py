@@ -43,7 +43,10 @@ class LinearKernel:
     computes the layer; ``pack`` turns a canonical ``[N, K]`` FP8 weight into
     the kernel's layout and ``unpack(packed, N, K)`` gives it back, bit-exact.
     ``supports`` returns None when the kernel takes the request, else the
-    reason it does not (shown in the quantize report).
+    reason it does not (shown in the quantize report). ``eager_op``, when set,
+    takes the same arguments as ``op`` and gives the same result with less
+    per-call overhead in eager mode; it must itself hand any call that needs
+    the dispatcher (modes, subclasses, autograd, profiling) to ``op``.
     """
 
     name: str
@@ -52,6 +55,7 @@ class LinearKernel:
     unpack: Callable[[torch.Tensor, int, int], torch.Tensor]
     extra_args: Callable[[KernelRequest], tuple]
     supports: Callable[[KernelRequest], str | None] = field(default=lambda request: None)
+    eager_op: Callable[..., torch.Tensor] | None = None
 
 
 def _identity_pack(weight: torch.Tensor) -> torch.Tensor:

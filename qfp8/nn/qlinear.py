@@ -247,6 +247,7 @@ class QLinear(nn.Module):
         # overload itself goes straight to the dispatcher.
         op = kernel.op
         self._kernel_op = op.default if isinstance(op, torch._ops.OpOverloadPacket) else op
+        self._eager_op = kernel.eager_op
         self._extra_args = kernel.extra_args(self.kernel_request())
         self._bind_op()
 
@@ -254,10 +255,12 @@ class QLinear(nn.Module):
         # An uncalibrated static layer gets an op that says what to do,
         # so the fast path itself needs no check.
         self._op = self._kernel_op if self.is_calibrated else self._uncalibrated
-        # The dispatcher entry behind the OpOverload (its Python __call__ is
-        # one more frame); None sends every call through nn.Module.__call__.
+        # The kernel's eager entry (no argument boxing; it hands the call to
+        # the op whenever the dispatcher has work to do), else the dispatcher
+        # entry behind the OpOverload (its Python __call__ is one more frame);
+        # None sends every call through nn.Module.__call__.
         if self.is_calibrated and not self.calibrating:
-            self._fast_op = getattr(self._kernel_op, "_op", self._kernel_op)
+            self._fast_op = self._eager_op or getattr(self._kernel_op, "_op", self._kernel_op)
         else:
             self._fast_op = None
         self._arm()
@@ -274,7 +277,7 @@ class QLinear(nn.Module):
 
     # Bound ops (dispatcher entries) do not pickle; they are bound again
     # from the kernel's name on the way back.
-    _UNPICKLED = ("_fast", "_fast_op", "_op", "_kernel_op")
+    _UNPICKLED = ("_fast", "_fast_op", "_op", "_kernel_op", "_eager_op")
 
     def __getstate__(self):
         return {key: value for key, value in super().__getstate__().items() if key not in self._UNPICKLED}

@@ -53,9 +53,9 @@ namespace {
 constexpr int64_t kPanelPairs = 64;  // k pairs per converted panel: 128 k x 32 floats = 16 KB
 constexpr int kRows = 6;
 // M == 1 streams kStreams tiles side by side and prefetches kPrefetchBytes
-// ahead in each (4 and 3 KB measured best here: 16 MB of cold weights in
-// 1.3-1.45 ms, against 2.1-2.6 ms for one stream without prefetch).
-constexpr int kStreams = 4;
+// ahead in each (2 and 3 KB measured best here with the shift conversion of
+// pairs_single_row_f32; one stream without prefetch is 35 % slower).
+constexpr int kStreams = 2;
 constexpr int64_t kPrefetchBytes = 3072;             // rows per register block: 6 x 2 accumulators + 2 weights + 1 x
 
 // 16 packed bytes (8 channels x a k pair) -> float32 lanes of the 8 channels
@@ -162,62 +162,98 @@ struct BlockLanes {
   }
 };
 
-// M == 1 on the float32 route (see the file comment), Tiles tiles at once.
-// Streaming several tiles side by side keeps several independent memory
-// streams in flight per core: one sequential stream leaves DRAM latency
-// exposed (measured here, one thread: 6.1 GB/s with one tile, 9.8 GB/s with
-// four, 11-12 GB/s with four and software prefetch). xs is the pre-scaled activation; the sums come out in units of
-// 2^(E - 112) of the fp16 route's sums (times the lane scales for block
-// scales) and are rescaled by the caller.
+// M == 1 on the float32 route, Tiles tiles side by side over k pairs
+// [pair0, pair1). Each 32-byte load (two 16-byte chunks: 16 channels x a k
+// pair) is converted without shuffles: 32-bit lane i of it holds bytes
+// 4i..4i+3, i.e. channels 2i and 2i + 1 of its chunk at k = 2p and 2p + 1
+// (byte 2c + j is channel c at k = 2p + j). Byte 3 is already the top byte
+// (vpsrad + vpand); bytes 2, 1, 0 are first moved up by vpslld 8, 16, 24.
+// That is 11 integer instructions per 32 weights against 12 and two
+// broadcast loads for vpshufb per 16 bytes, and the shifts leave the shuffle
+// unit to the FMAs: 13 % more weights per second from cold memory here
+// (interleaved microbenchmark, 16 MB weights). Accumulator j = 2h + odd
+// collects the odd (even) channels of chunks 2h, 2h + 1: slot 8j + i holds
+// tile channel slot_channel(8j + i). out[u] receives the slots in that order.
+// Two tiles keep the 8 accumulators, 2 x values and the mask in registers
+// (four spilled, 15 % slower); the prefetch keeps two streams busy enough.
+constexpr int slot_channel(int slot) {
+  return 8 * (2 * (slot / 16) + (slot % 8) / 4) + 2 * (slot % 4) + (slot / 8) % 2;
+}
+
 template <int Format, int Tiles>
-void tiles_single_row_f32(const LinearProblem& p, int64_t t0, const float* xs, float (*sums)[kTileN]) {
-  const Float32Route route = Float32Route::make<Format>();
-  const bool block_scales = p.scale_kind == kScaleBlock;
-  const int64_t pairs = p.Kp / 2;
-  const BlockLanes first_blocks(p, t0);
-  const int64_t pairs_per_block = first_blocks.pairs_per_block;
+void pairs_single_row_f32(const uint8_t* tile0, int64_t tile_bytes, const float* xs, int64_t pair0, int64_t pair1,
+                          float (*out)[kTileN]) {
+  constexpr int kShift = Format == kE5M2 ? 3 : 4;
+  const __m256i keep = _mm256_set1_epi32(static_cast<int>(Format == kE5M2 ? 0x8FE00000u : 0x87F00000u));
   const uint8_t* g[Tiles];
-  __m256 total[Tiles][4];
+  __m256 acc[Tiles][4];
   for (int u = 0; u < Tiles; ++u) {
-    g[u] = p.w + (t0 + u) * pairs * kGroupBytes;
-    for (auto& v : total[u]) v = _mm256_setzero_ps();
+    g[u] = tile0 + u * tile_bytes + pair0 * kGroupBytes;
+    for (auto& v : acc[u]) v = _mm256_setzero_ps();
   }
-  alignas(32) float lanes[kTileN];
-  for (int64_t pair0 = 0, block = 0; pair0 < pairs; pair0 += pairs_per_block, ++block) {
-    const int64_t pair1 = std::min(pairs, pair0 + pairs_per_block);
-    // One accumulator per (tile, 8 channels), both k parities in it: with
-    // two or more tiles that is already enough independent FMA chains, and
-    // more accumulators would spill.
-    __m256 acc[Tiles][4];
-    for (int u = 0; u < Tiles; ++u)
-      for (int j = 0; j < 4; ++j) acc[u][j] = _mm256_setzero_ps();
-    for (int64_t pair = pair0; pair < pair1; ++pair) {
-      const __m256 x0 = _mm256_broadcast_ss(xs + 2 * pair);
-      const __m256 x1 = _mm256_broadcast_ss(xs + 2 * pair + 1);
-      for (int u = 0; u < Tiles; ++u) {
-        // A few hundred bytes ahead of each stream: the hardware prefetcher
-        // alone leaves gaps when several streams run side by side.
-        _mm_prefetch(reinterpret_cast<const char*>(g[u]) + kPrefetchBytes, _MM_HINT_T0);
-        for (int j = 0; j < 4; ++j) {
-          __m256 e, o;
-          route.convert<Format>(g[u] + 16 * j, e, o);
-          acc[u][j] = _mm256_fmadd_ps(e, x0, acc[u][j]);
-          acc[u][j] = _mm256_fmadd_ps(o, x1, acc[u][j]);
-        }
-        g[u] += kGroupBytes;
-      }
-    }
+  for (int64_t pair = pair0; pair < pair1; ++pair) {
+    const __m256 x0 = _mm256_broadcast_ss(xs + 2 * pair);
+    const __m256 x1 = _mm256_broadcast_ss(xs + 2 * pair + 1);
     for (int u = 0; u < Tiles; ++u) {
-      if (block_scales) {
-        BlockLanes(p, t0 + u).fill(p, block, lanes);
-        for (int j = 0; j < 4; ++j) total[u][j] = _mm256_fmadd_ps(acc[u][j], _mm256_load_ps(lanes + 8 * j), total[u][j]);
-      } else {
-        for (int j = 0; j < 4; ++j) total[u][j] = acc[u][j];
+      // A few KB ahead of each stream: the hardware prefetcher alone leaves
+      // gaps when several streams run side by side.
+      _mm_prefetch(reinterpret_cast<const char*>(g[u]) + kPrefetchBytes, _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g[u] + 32 * h));
+        const __m256 f3 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(b, kShift), keep));
+        const __m256 f2 =
+            _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(b, 8), kShift), keep));
+        const __m256 f1 =
+            _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(b, 16), kShift), keep));
+        const __m256 f0 =
+            _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(b, 24), kShift), keep));
+        acc[u][2 * h] = _mm256_fmadd_ps(f1, x1, _mm256_fmadd_ps(f0, x0, acc[u][2 * h]));
+        acc[u][2 * h + 1] = _mm256_fmadd_ps(f3, x1, _mm256_fmadd_ps(f2, x0, acc[u][2 * h + 1]));
       }
+      g[u] += kGroupBytes;
     }
   }
   for (int u = 0; u < Tiles; ++u)
-    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(sums[u] + 8 * j, total[u][j]);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out[u] + 8 * j, acc[u][j]);
+}
+
+// M == 1 on the float32 route (see the file comment), Tiles tiles at once.
+// xs is the pre-scaled activation; the sums come out in units of
+// 2^(E - 112) of the fp16 route's sums (times the lane scales for block
+// scales), in channel order, and are rescaled by the caller.
+template <int Format, int Tiles>
+void tiles_single_row_f32(const LinearProblem& p, int64_t t0, const float* xs, float (*sums)[kTileN]) {
+  const int64_t pairs = p.Kp / 2;
+  const int64_t tile_bytes = pairs * kGroupBytes;
+  const uint8_t* tile0 = p.w + t0 * tile_bytes;
+  alignas(32) float slots[Tiles][kTileN];
+  if (p.scale_kind != kScaleBlock) {
+    pairs_single_row_f32<Format, Tiles>(tile0, tile_bytes, xs, 0, pairs, slots);
+    for (int u = 0; u < Tiles; ++u)
+      for (int s = 0; s < kTileN; ++s) sums[u][slot_channel(s)] = slots[u][s];
+    return;
+  }
+  // Block scales: each k block's sums are finished and multiplied by that
+  // block's lane scales (the scale times the format factor) as they are
+  // added to the totals. Needs bk even (a block boundary never splits a k
+  // pair); the scale row of each lane is computed once per tile.
+  alignas(32) float lanes[kTileN];
+  std::vector<BlockLanes> blocks;
+  for (int u = 0; u < Tiles; ++u) {
+    blocks.emplace_back(p, t0 + u);
+    std::fill(sums[u], sums[u] + kTileN, 0.0f);
+  }
+  const int64_t pairs_per_block = p.bk / 2;
+  for (int64_t pair0 = 0, block = 0; pair0 < pairs; pair0 += pairs_per_block, ++block) {
+    pairs_single_row_f32<Format, Tiles>(tile0, tile_bytes, xs, pair0, std::min(pairs, pair0 + pairs_per_block), slots);
+    for (int u = 0; u < Tiles; ++u) {
+      blocks[u].fill(p, block, lanes);
+      for (int s = 0; s < kTileN; ++s) {
+        const int c = slot_channel(s);
+        sums[u][c] += slots[u][s] * lanes[c];
+      }
+    }
+  }
 }
 
 // 2 <= M <= 4 (small batches, speculative decoding): the float32 route with
