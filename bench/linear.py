@@ -15,6 +15,7 @@ same kind of memory as the packed weights.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -104,31 +105,41 @@ def make_methods(k: int, n: int):
     return methods, stream
 
 
-def measure(calls: dict, x, rounds: int, budget_s: float) -> dict:
+def measure(calls: dict, x, rounds: int, budget_s: float, burst: int = 1) -> dict:
     """Interleaved medians (seconds) of each method; stops early when over budget.
 
     The order is shuffled each round (seeded), so that every method follows
-    every other about equally often: a call right after one of the slow
-    methods (dequantize-then-bf16, ``torch._scaled_mm``) measured up to
-    0.15 ms slower here, whatever the call, as long as a whole call at the
-    SmolLM2 shapes.
+    every other about equally often. With ``burst`` > 1 each method makes
+    that many calls in a row per round (each on the next weight copy, so the
+    weights stay cold), as a model's layers do: a lone small call after
+    other methods have streamed tens of MB finds Python, the dispatcher and
+    the kernel's code and data evicted too, which measured 0.1-0.25 ms here,
+    more than a whole call at the SmolLM2 shapes. Garbage collection is off
+    while timing, as in timeit.
     """
     times = {name: [] for name in calls}
     position = {name: 0 for name in calls}
     names = list(calls)
     order = random.Random(0)
     start = time.perf_counter()
-    for r in range(rounds):
-        order.shuffle(names)
-        for name in names:
-            fns = calls[name]
-            fn = fns[position[name] % len(fns)]
-            position[name] += 1
-            t0 = time.perf_counter()
-            fn(x)
-            times[name].append(time.perf_counter() - t0)
-        if r >= 2 and time.perf_counter() - start > budget_s:
-            break
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            order.shuffle(names)
+            for name in names:
+                fns = calls[name]
+                for _ in range(burst):
+                    fn = fns[position[name] % len(fns)]
+                    position[name] += 1
+                    t0 = time.perf_counter()
+                    fn(x)
+                    times[name].append(time.perf_counter() - t0)
+            gc.collect()
+            if r >= 2 and time.perf_counter() - start > budget_s:
+                break
+    finally:
+        gc.enable()
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -164,7 +175,9 @@ def main(argv=None) -> int:
                 calls["stream_read"] = stream
             for fns in calls.values():  # warm-up: first call of each (allocations, lazy init)
                 fns[0](x)
-            med = measure(calls, x, rounds, budget)
+            # Small layers: bursts of calls (see measure); large ones: one call
+            # per method per round (a burst of slow baselines would take minutes).
+            med = measure(calls, x, rounds, budget, burst=8 if n * k < (4 << 20) else 1)
             row = {"K": k, "N": n, "M": m, "threads": args.threads, "isa": cpu.cpu_kernel_isa()}
             for c in COLUMNS:
                 row[f"{c}_ms"] = med[c] * 1e3
