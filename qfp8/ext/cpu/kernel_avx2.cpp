@@ -18,22 +18,25 @@
 // every scale in the M > 1 panel).
 //
 // Two schedules:
-// - M == 1 (decode): the weights are converted in registers and used once;
-//   the loop is bound by the conversion. With tensor and channel scales it
-//   takes the cheaper float32 route below (3 integer instructions per 8
-//   weights, no vcvtph2ps); block scales keep the fp16 route above.
+// - M <= 4 (decode, small batches): the weights are converted in registers
+//   and used by every row at once; the loop is bound by the conversion. It
+//   takes the cheaper float32 route below (no vcvtph2ps); only block scales
+//   with an odd bk keep the fp16 route above (M == 1) or the panel (M > 1).
 //
-// The float32 route (M == 1, tensor/channel scales): vpshufb moves each byte
-// of a broadcast 16-byte chunk into the top byte of a 32-bit lane, vpsrad +
-// vpand leave s|0000|eeee|mmm|0.. (e5m2: s|000|eeeee|mm|0..): the float32
-// whose value is the FP8 value times 2^-120 (e4m3fnuz 2^-119, e5m2 2^-112).
+// The float32 route: the FP8 byte is put into the top byte of a 32-bit lane,
+// then vpsrad + vpand leave s|0000|eeee|mmm|0.. (e5m2: s|000|eeeee|mm|0..):
+// the float32 whose value is the FP8 value times 2^-120 (e4m3fnuz 2^-119,
+// e5m2 2^-112). At M == 1 (pairs_single_row_f32) each 32-bit lane of a
+// 32-byte load already holds 4 weights: byte 3 is in place, bytes 2, 1, 0
+// are moved up by vpslld. At M = 2..4 vpshufb moves each byte of a broadcast
+// 16-byte chunk into place.
 // FP8 subnormals land on float32 subnormals, which the FMA takes exactly
 // while MXCSR.DAZ is clear (the kernel clears it for its own duration).
 // Products of such tiny weights with x would underflow, so x is first
 // multiplied by an exact power of two 2^E that puts its largest magnitude
 // near 2^116; the sums are brought back by 2^(112 - E), which makes them
 // equal to the fp16 route's sums, so the same channel multipliers apply.
-// - M > 1: a panel of 128 k x 32 channels is converted once into a 16 KB
+// - M > 4: a panel of 128 k x 32 channels is converted once into a 16 KB
 //   float32 buffer (L1-resident) with the scale folded in, then a 6-row x
 //   16-channel register-blocked loop runs every row over it, so the
 //   conversion is paid once per weight, not once per row.
