@@ -215,6 +215,26 @@ def test_pack_unpack_bitwise(w_dtype, shape):
     assert back.dtype == w_dtype and torch.equal(back.view(torch.uint8), bits)
 
 
+def test_large_packed_weight_is_huge_page_aligned_and_round_trips():
+    # From 2 MiB up the packed weight comes from the extension's 2 MiB-aligned,
+    # THP-advised allocator (cpu._packed_buffer); the layout is the same.
+    shape = (1000, 2100)  # 32 tiles x 1050 pairs x 64 bytes = 2.05 MiB packed
+    bits = torch.randint(0, 256, shape, dtype=torch.uint8)
+    packed = torch.ops.qfp8.pack_weight_cpu(bits.view(torch.float8_e4m3fn))
+    assert packed.numel() >= cpu.HUGEPAGE_MIN_BYTES
+    assert packed.data_ptr() % cpu.HUGEPAGE_MIN_BYTES == 0
+    back = torch.ops.qfp8.unpack_weight_cpu(packed, *shape)
+    assert torch.equal(back.view(torch.uint8), bits)
+    # And the kernel computes from it: float64 reference, random inputs.
+    q, scale = random_weight(*shape, torch.float8_e4m3fn, "channel")
+    packed = torch.ops.qfp8.pack_weight_cpu(q)
+    assert packed.data_ptr() % cpu.HUGEPAGE_MIN_BYTES == 0
+    x = torch.randn(3, shape[1])
+    got = torch.ops.qfp8.scaled_linear_cpu(x, packed, scale, None, None, *shape, [], "none", torch.float8_e4m3fn)
+    ref = float64_reference(x.double(), q, scale, None, ())
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
 def test_opcheck():
     q, scale = random_weight(40, 33, torch.float8_e4m3fn, "channel")
     packed = torch.ops.qfp8.pack_weight_cpu(q)
