@@ -236,17 +236,15 @@ void tiles_single_row_f32(const LinearProblem& p, int64_t t0, const float* xs, f
       for (int s = 0; s < kTileN; ++s) sums[u][slot_channel(s)] = slots[u][s];
     return;
   }
-  // Block scales: each k block's sums are finished and multiplied by that
-  // block's lane scales (the scale times the format factor) as they are
-  // added to the totals. Needs bk even (a block boundary never splits a k
-  // pair); the scale row of each lane is computed once per tile.
+  // Block scales (see BlockLanes): each k block's sums are multiplied by
+  // that block's lane scales as they are added to the totals.
   alignas(32) float lanes[kTileN];
   std::vector<BlockLanes> blocks;
   for (int u = 0; u < Tiles; ++u) {
     blocks.emplace_back(p, t0 + u);
     std::fill(sums[u], sums[u] + kTileN, 0.0f);
   }
-  const int64_t pairs_per_block = p.bk / 2;
+  const int64_t pairs_per_block = blocks[0].pairs_per_block;
   for (int64_t pair0 = 0, block = 0; pair0 < pairs; pair0 += pairs_per_block, ++block) {
     pairs_single_row_f32<Format, Tiles>(tile0, tile_bytes, xs, pair0, std::min(pairs, pair0 + pairs_per_block), slots);
     for (int u = 0; u < Tiles; ++u) {
