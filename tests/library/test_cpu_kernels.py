@@ -139,9 +139,11 @@ def test_identical_across_thread_counts(isa, m, granularity):
         assert torch.equal(results[0].view(torch.int16), other.view(torch.int16))
 
 
+@pytest.mark.parametrize("m", [1, 2, 7], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("w_dtype", list(FP8_IDS), ids=list(FP8_IDS.values()))
-def test_every_fp8_code_subnormals_and_max(isa, w_dtype):
-    """Each finite FP8 code (subnormals, the largest values) as a weight, exactly."""
+def test_every_fp8_code_subnormals_and_max(isa, w_dtype, m):
+    """Each finite FP8 code (subnormals, the largest values) as a weight, exactly, on the M = 1, small-M and
+    panel routes."""
     codes = torch.arange(256, dtype=torch.uint8).view(w_dtype)
     finite = torch.isfinite(formats.fp8_to_float(codes))
     codes = codes[finite]
@@ -149,13 +151,14 @@ def test_every_fp8_code_subnormals_and_max(isa, w_dtype):
     q = torch.zeros(n, 9, dtype=torch.uint8).view(w_dtype)
     q[:, 4] = codes  # one nonzero code per channel, at an even and an odd k
     q[:, 7] = codes
-    x = torch.zeros(2, 9)
+    x = torch.zeros(m, 9)
     x[:, 4] = 1.0
     x[:, 7] = 0.5
     scale = torch.ones(1)
     y = run_kernel(x, q, scale, None)
     expected = formats.fp8_to_float(codes).double() * 1.5
-    assert torch.equal(y[0].double(), expected) and torch.equal(y[1].double(), expected)
+    for row in range(m):
+        assert torch.equal(y[row].double(), expected), f"{isa} M={m}: row {row}"
     assert y.abs().max().item() == formats.fp8_max(w_dtype) * 1.5
 
 
