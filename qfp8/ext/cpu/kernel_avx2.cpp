@@ -26,10 +26,8 @@
 // The float32 route: the FP8 byte is put into the top byte of a 32-bit lane,
 // then vpsrad + vpand leave s|0000|eeee|mmm|0.. (e5m2: s|000|eeeee|mm|0..):
 // the float32 whose value is the FP8 value times 2^-120 (e4m3fnuz 2^-119,
-// e5m2 2^-112). At M == 1 (pairs_single_row_f32) each 32-bit lane of a
-// 32-byte load already holds 4 weights: byte 3 is in place, bytes 2, 1, 0
-// are moved up by vpslld. At M = 2..4 vpshufb moves each byte of a broadcast
-// 16-byte chunk into place.
+// e5m2 2^-112). Each 32-bit lane of a 32-byte load holds 4 weights, which
+// 16-bit and 32-bit shifts move into place (ShiftConvert).
 // FP8 subnormals land on float32 subnormals, which the FMA takes exactly
 // while MXCSR.DAZ is clear (the kernel clears it for its own duration).
 // Products of such tiny weights with x would underflow, so x is first
@@ -119,30 +117,6 @@ struct Pow2 {
   float apply(float v) const { return v * first * second; }
 };
 
-// Byte 2c + j of a 16-byte chunk is channel c at k = 2p + j: lane c of the
-// even (odd) vector takes byte 2c (2c + 1), channels 0-3 in the low 128-bit
-// half, 4-7 in the high half (vpshufb stays within a half); the byte lands
-// in the top byte of its 32-bit lane.
-struct Float32Route {
-  __m256i pick_even, pick_odd, keep;
-  template <int Format>
-  static Float32Route make() {
-    return {_mm256_setr_epi8(-1, -1, -1, 0, -1, -1, -1, 2, -1, -1, -1, 4, -1, -1, -1, 6,  //
-                             -1, -1, -1, 8, -1, -1, -1, 10, -1, -1, -1, 12, -1, -1, -1, 14),
-            _mm256_setr_epi8(-1, -1, -1, 1, -1, -1, -1, 3, -1, -1, -1, 5, -1, -1, -1, 7,  //
-                             -1, -1, -1, 9, -1, -1, -1, 11, -1, -1, -1, 13, -1, -1, -1, 15),
-            _mm256_set1_epi32(static_cast<int>(Format == kE5M2 ? 0x8FE00000u : 0x87F00000u))};
-  }
-  // 8 channels at k = 2p (even) and k = 2p + 1 (odd) from one 16-byte chunk.
-  template <int Format>
-  inline void convert(const uint8_t* chunk, __m256& even, __m256& odd) const {
-    constexpr int kShift = Format == kE5M2 ? 3 : 4;
-    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
-    even = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_shuffle_epi8(bytes, pick_even), kShift), keep));
-    odd = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_shuffle_epi8(bytes, pick_odd), kShift), keep));
-  }
-};
-
 // Block scales on the float32 route: the sums of each k block are finished
 // in registers and multiplied by that block's 32 lane scales (the scale
 // times the format factor) as they are added to the tile's totals, so the
@@ -165,19 +139,36 @@ struct BlockLanes {
   }
 };
 
+// The float32 route on one 32-byte load (two 16-byte chunks: 16 channels x
+// a k pair): f[i] gets byte i of each 32-bit lane, i.e. bytes 4l + i, which
+// are channels 2l + i / 2 of the chunk at k = 2p + i % 2 (byte 2c + j is
+// channel c at k = 2p + j). One 16-bit arithmetic shift lines up bytes 3
+// and 1 (the high byte of each half), a second one after vpsllw 8 bytes 2
+// and 0; bytes 3 and 2 are then a vpand away, bytes 1 and 0 a vpslld 16 and
+// a vpand: 9 integer instructions per 32 weights, no shuffles.
+template <int Format>
+struct ShiftConvert {
+  static constexpr int kShift = Format == kE5M2 ? 3 : 4;
+  const __m256i keep = _mm256_set1_epi32(static_cast<int>(Format == kE5M2 ? 0x8FE00000u : 0x87F00000u));
+  inline void operator()(const uint8_t* src, __m256* f) const {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i high = _mm256_srai_epi16(b, kShift);
+    const __m256i low = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), kShift);
+    f[0] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(low, 16), keep));
+    f[1] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(high, 16), keep));
+    f[2] = _mm256_castsi256_ps(_mm256_and_si256(low, keep));
+    f[3] = _mm256_castsi256_ps(_mm256_and_si256(high, keep));
+  }
+};
+
 // M == 1 on the float32 route, Tiles tiles side by side over k pairs
-// [pair0, pair1). Each 32-byte load (two 16-byte chunks: 16 channels x a k
-// pair) is converted without shuffles: 32-bit lane i of it holds bytes
-// 4i..4i+3, i.e. channels 2i and 2i + 1 of its chunk at k = 2p and 2p + 1
-// (byte 2c + j is channel c at k = 2p + j). One 16-bit arithmetic shift
-// lines up bytes 3 and 1 (the high byte of each half) at once, a second one
-// after vpsllw 8 bytes 2 and 0; bytes 3 and 2 are then a vpand away, bytes 1
-// and 0 a vpslld 16 and a vpand. That is 9 integer instructions per 32
-// weights, against 11 for one 32-bit shift chain per byte and 12 plus two
-// broadcast loads for vpshufb per 16 bytes. Interleaved microbenchmark here:
-// 1.13x the vpshufb loop from cold memory (16 MB weights); the 16-bit shifts
-// gave 1.12-1.14x more on L2-resident weights and the same from cold memory,
-// which bounds the loop at M == 1 (5 bytes per TSC cycle, 12 GB/s). Accumulator j = 2h + odd
+// [pair0, pair1), each 32-byte load through ShiftConvert. Interleaved
+// microbenchmarks here (one thread): the 32-bit shift chain per byte (11
+// instructions) was 1.13x a vpshufb loop (12 instructions and two broadcast
+// loads per 16 bytes) from cold memory (16 MB weights); ShiftConvert's 16-bit
+// shifts are 1.12-1.14x more on L2-resident weights (7.5-9 bytes per TSC
+// cycle) and the same from cold memory (5 bytes per cycle, 12 GB/s), which
+// is the memory's rate, not the loop's. Accumulator j = 2h + odd
 // collects the odd (even) channels of chunks 2h, 2h + 1: slot 8j + i holds
 // tile channel slot_channel(8j + i). out[u] receives the slots in that order.
 // Two tiles keep the 8 accumulators, 2 x values and the mask in registers
@@ -189,8 +180,7 @@ constexpr int slot_channel(int slot) {
 template <int Format, int Tiles>
 void pairs_single_row_f32(const uint8_t* tile0, int64_t tile_bytes, const float* xs, int64_t pair0, int64_t pair1,
                           float (*out)[kTileN]) {
-  constexpr int kShift = Format == kE5M2 ? 3 : 4;
-  const __m256i keep = _mm256_set1_epi32(static_cast<int>(Format == kE5M2 ? 0x8FE00000u : 0x87F00000u));
+  const ShiftConvert<Format> convert;
   const uint8_t* g[Tiles];
   __m256 acc[Tiles][4];
   for (int u = 0; u < Tiles; ++u) {
@@ -205,15 +195,10 @@ void pairs_single_row_f32(const uint8_t* tile0, int64_t tile_bytes, const float*
       // gaps when several streams run side by side.
       _mm_prefetch(reinterpret_cast<const char*>(g[u]) + kPrefetchBytes, _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g[u] + 32 * h));
-        const __m256i high = _mm256_srai_epi16(b, kShift);                           // bytes 3 and 1
-        const __m256i low = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), kShift);     // bytes 2 and 0
-        const __m256 f3 = _mm256_castsi256_ps(_mm256_and_si256(high, keep));
-        const __m256 f2 = _mm256_castsi256_ps(_mm256_and_si256(low, keep));
-        const __m256 f1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(high, 16), keep));
-        const __m256 f0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(low, 16), keep));
-        acc[u][2 * h] = _mm256_fmadd_ps(f1, x1, _mm256_fmadd_ps(f0, x0, acc[u][2 * h]));
-        acc[u][2 * h + 1] = _mm256_fmadd_ps(f3, x1, _mm256_fmadd_ps(f2, x0, acc[u][2 * h + 1]));
+        __m256 f[4];
+        convert(g[u] + 32 * h, f);
+        acc[u][2 * h] = _mm256_fmadd_ps(f[1], x1, _mm256_fmadd_ps(f[0], x0, acc[u][2 * h]));
+        acc[u][2 * h + 1] = _mm256_fmadd_ps(f[3], x1, _mm256_fmadd_ps(f[2], x0, acc[u][2 * h + 1]));
       }
       g[u] += kGroupBytes;
     }
@@ -259,51 +244,60 @@ void tiles_single_row_f32(const LinearProblem& p, int64_t t0, const float* xs, f
   }
 }
 
-// 2 <= M <= 4 (small batches, speculative decoding): the float32 route with
-// the converted weights used by every row straight from registers, instead
-// of the panel below, whose store and reload cost more than the rows' FMAs
-// at this M. Chunks 16-byte chunks (8 channels each) per pass keep the
-// accumulators (Rows x Chunks, both k parities in one) within the 16 ymm
-// registers; a tile takes 4 / Chunks passes over its bytes (L2-resident).
-// Block totals are kept in `sums` (touched once per block).
-template <int Format, int Rows, int Chunks>
+// 2 <= M <= 4 (small batches, speculative decoding) on the float32 route:
+// the weights converted by ShiftConvert go to every row straight from
+// registers (the panel's store and reload cost more than the rows' FMAs at
+// this M); 1.02-1.08x the former vpshufb conversion, interleaved, on the
+// three Llama-3-8B shapes. Halves 32-byte halves of each group per pass keep the
+// Rows x 2 Halves accumulators, the four converted vectors, the two x values
+// and the mask within the 16 ymm registers; a tile takes 2 / Halves passes
+// over its bytes (L2-resident). Totals are kept in slot order (see
+// slot_channel) and put in channel order at the end.
+template <int Format, int Rows, int Halves>
 void tile_small_rows_f32(const LinearProblem& p, int64_t t, const float* const* xs, float (*sums)[kTileN]) {
-  const Float32Route route = Float32Route::make<Format>();
+  const ShiftConvert<Format> convert;
   const BlockLanes blocks(p, t);
   const bool block_scales = p.scale_kind == kScaleBlock;
   const int64_t pairs = p.Kp / 2;
   alignas(32) float lanes[kTileN];
-  for (int r = 0; r < Rows; ++r) std::fill(sums[r], sums[r] + kTileN, 0.0f);
-  for (int j0 = 0; j0 < 4; j0 += Chunks) {
-    const uint8_t* g = p.w + t * pairs * kGroupBytes + 16 * j0;
+  alignas(32) float lane_slots[kTileN];
+  alignas(32) float totals[Rows][kTileN] = {};
+  for (int h0 = 0; h0 < 2; h0 += Halves) {
+    const uint8_t* g = p.w + t * pairs * kGroupBytes + 32 * h0;
     for (int64_t pair0 = 0, block = 0; pair0 < pairs; pair0 += blocks.pairs_per_block, ++block) {
       const int64_t pair1 = std::min(pairs, pair0 + blocks.pairs_per_block);
-      __m256 acc[Rows][Chunks];
+      __m256 acc[Rows][2 * Halves];
       for (int r = 0; r < Rows; ++r)
-        for (int j = 0; j < Chunks; ++j) acc[r][j] = _mm256_setzero_ps();
+        for (int a = 0; a < 2 * Halves; ++a) acc[r][a] = _mm256_setzero_ps();
       for (int64_t pair = pair0; pair < pair1; ++pair, g += kGroupBytes) {
         _mm_prefetch(reinterpret_cast<const char*>(g) + kPrefetchBytes, _MM_HINT_T0);
-        __m256 even[Chunks], odd[Chunks];
-        for (int j = 0; j < Chunks; ++j) route.convert<Format>(g + 16 * j, even[j], odd[j]);
-        for (int r = 0; r < Rows; ++r) {
-          const __m256 x0 = _mm256_broadcast_ss(xs[r] + 2 * pair);
-          const __m256 x1 = _mm256_broadcast_ss(xs[r] + 2 * pair + 1);
-          for (int j = 0; j < Chunks; ++j) {
-            acc[r][j] = _mm256_fmadd_ps(even[j], x0, acc[r][j]);
-            acc[r][j] = _mm256_fmadd_ps(odd[j], x1, acc[r][j]);
+        for (int h = 0; h < Halves; ++h) {
+          __m256 f[4];
+          convert(g + 32 * h, f);
+          for (int r = 0; r < Rows; ++r) {
+            const __m256 x0 = _mm256_broadcast_ss(xs[r] + 2 * pair);
+            const __m256 x1 = _mm256_broadcast_ss(xs[r] + 2 * pair + 1);
+            acc[r][2 * h] = _mm256_fmadd_ps(f[1], x1, _mm256_fmadd_ps(f[0], x0, acc[r][2 * h]));
+            acc[r][2 * h + 1] = _mm256_fmadd_ps(f[3], x1, _mm256_fmadd_ps(f[2], x0, acc[r][2 * h + 1]));
           }
         }
       }
-      if (block_scales) blocks.fill(p, block, lanes);
+      if (block_scales) {
+        blocks.fill(p, block, lanes);
+        for (int s = 0; s < kTileN; ++s) lane_slots[s] = lanes[slot_channel(s)];
+      }
       for (int r = 0; r < Rows; ++r) {
-        for (int j = 0; j < Chunks; ++j) {
-          float* total = sums[r] + 8 * (j0 + j);
-          const __m256 scaled = block_scales ? _mm256_mul_ps(acc[r][j], _mm256_load_ps(lanes + 8 * (j0 + j))) : acc[r][j];
-          _mm256_storeu_ps(total, _mm256_add_ps(_mm256_loadu_ps(total), scaled));
+        for (int a = 0; a < 2 * Halves; ++a) {
+          float* total = totals[r] + 8 * (2 * h0 + a);
+          const __m256 scaled =
+              block_scales ? _mm256_mul_ps(acc[r][a], _mm256_load_ps(lane_slots + 8 * (2 * h0 + a))) : acc[r][a];
+          _mm256_store_ps(total, _mm256_add_ps(_mm256_load_ps(total), scaled));
         }
       }
     }
   }
+  for (int r = 0; r < Rows; ++r)
+    for (int s = 0; s < kTileN; ++s) sums[r][slot_channel(s)] = totals[r][s];
 }
 
 // The pre-scaled copy of row x (largest magnitude near 2^116) for the float32
@@ -354,7 +348,7 @@ void small_rows_f32(const LinearProblem& p, int64_t tile_begin, int64_t tile_end
     if (Rows == 1) {
       tiles_single_row_f32<Format, 1>(p, t, xs[0], sums);
     } else {
-      tile_small_rows_f32<Format, Rows, Rows == 2 ? 4 : 2>(p, t, xs, sums);
+      tile_small_rows_f32<Format, Rows, Rows == 2 ? 2 : 1>(p, t, xs, sums);
     }
     for (int r = 0; r < Rows; ++r) {
       for (int64_t c = 0; c < kTileN; ++c) sums[r][c] = back[r].apply(sums[r][c]);
