@@ -76,6 +76,7 @@ def rows(accuracy: str) -> list[Row]:
         Row("w8a16-block", "W8A16 e4m3, 128x128 block scales", _w("block")),
         Row("w8a16-e5m2-channel", "W8A16 e5m2, per-channel scale", _w("channel", "float8_e5m2")),
         Row("w8a8-token", "W8A8 e4m3, channel / dynamic token", _a("channel", "token")),
+        Row("w8a8-token-mse", "W8A8 e4m3, channel / dynamic token, searched scales", _a("channel", "token-mse")),
         Row("w8a8-group", "W8A8 e4m3, block / dynamic 1x128 group", _a("block", "group")),
         Row("w8a8-tensor", "W8A8 e4m3, tensor / dynamic tensor", _a("tensor", "tensor")),
         Row("w8a8-static", "W8A8 e4m3, tensor / static tensor", _a("tensor", "static")),
@@ -92,6 +93,11 @@ def rows(accuracy: str) -> list[Row]:
         table += [
             Row(f"w8a16-channel+{accuracy}", f"W8A16 e4m3 channel, accuracy={accuracy}", _w("channel", **acc)),
             Row(f"w8a8-token+{accuracy}", f"W8A8 channel/token, accuracy={accuracy}", _a("channel", "token", **acc)),
+            Row(
+                f"w8a8-token-mse+{accuracy}",
+                f"W8A8 channel/token-mse, accuracy={accuracy}",
+                _a("channel", "token-mse", **acc),
+            ),
         ]
     return table
 

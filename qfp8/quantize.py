@@ -123,6 +123,12 @@ def quantize(
     ``qfp8/rounding.py``); the format is unchanged (FP8 weights with the same
     kind of scales). Needs a calibration pass before :func:`freeze`, and keeps
     the float weights in memory until then.
+
+    ``activation_scale="token-mse"`` (dynamic activations): each token's scale
+    is the one of 16 candidates ``amax / fmax * 2^(j/16)`` with the least
+    squared rounding error, found at run time by qfp8's kernels (see
+    :func:`qfp8.formats.token_mse_scale`). Saved checkpoints stay dynamic
+    per-token ones: vLLM computes ``amax / fmax`` for them, qfp8 searches.
     Returns ``(model, report)``.
     """
     if not isinstance(model, nn.Module):

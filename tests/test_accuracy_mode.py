@@ -135,3 +135,22 @@ def test_unknown_accuracy_mode_is_refused(bad):
 def test_hessian_of_wrong_size_is_refused():
     with pytest.raises(ValueError, match=r"hessian must be \[8, 8\]"):
         rounding.quantize_weight(torch.randn(4, 8), torch.eye(5), "gptq")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_token_mse_reduces_w8a8_output_error_on_outlier_layer(seed):
+    """Searched per-token scales against amax / fmax, same weights: the layer's squared output error against the
+    float64 product falls by at least 10 % (measured 18 %) on inputs with outlier channels."""
+    torch.manual_seed(seed)
+    layer = nn.Linear(512, 256)
+    x = outlier_inputs(64, 512, seed)
+    reference = torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double())
+    errors = {}
+    for activation_scale in ("token", "token-mse"):
+        model = nn.Sequential(nn.Linear(512, 256))
+        model[0].load_state_dict(layer.state_dict())
+        qfp8.quantize(model, activations="dynamic", activation_scale=activation_scale, exclude=())
+        qfp8.freeze(model)
+        with torch.no_grad():
+            errors[activation_scale] = (model(x).double() - reference).square().sum().item()
+    assert errors["token-mse"] < 0.9 * errors["token"], errors

@@ -67,11 +67,11 @@ def test_block_tail_blocks_are_partial():
     assert formats.sqnr(w[:128, :128], back[:128, :128]) > 28
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "token", "group"])
+@pytest.mark.parametrize("granularity", ["tensor", "token", "group", "token-mse"])
 def test_activation_scales_shapes_and_sqnr(granularity):
     x = torch.randn(5, 300, dtype=torch.float64)
     q, scale = formats.quantize_activation(x, torch.float8_e4m3fn, granularity)
-    assert tuple(scale.shape) == {"tensor": (1,), "token": (5, 1), "group": (5, 3)}[granularity]
+    assert tuple(scale.shape) == {"tensor": (1,), "token": (5, 1), "group": (5, 3), "token-mse": (5, 1)}[granularity]
     assert formats.sqnr(x, formats.dequantize_activation(q, scale, torch.float64)) >= 28
 
 
@@ -82,7 +82,7 @@ def test_group_scale_covers_128_columns():
     assert torch.allclose(scale, torch.tensor([[1.0, 1.0, 8.0]] * 2) / 448)
 
 
-@pytest.mark.parametrize("granularity", ["token", "group"])
+@pytest.mark.parametrize("granularity", ["token", "group", "token-mse"])
 def test_non_finite_activation_spoils_only_its_row(granularity):
     x = torch.randn(4, 256)
     x[2, 5] = float("inf")
@@ -91,6 +91,41 @@ def test_non_finite_activation_spoils_only_its_row(granularity):
     back = formats.dequantize_activation(q, scale)
     assert torch.isfinite(back[:2]).all()
     assert torch.isnan(back[2, 5]) and torch.isnan(back[3, 7])
+
+
+def _row_errors(x, scale, dtype):
+    """float64 squared quantize-dequantize error of each row of x at its [M, 1] scale."""
+    values = formats.fp8_to_float(formats.quantize_with_scale(x, scale, dtype)).double() * scale.double()
+    return (values - x.double()).square().sum(-1)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"])
+def test_token_mse_picks_the_least_error_candidate(name):
+    """Against every candidate's error in float64: the chosen one is the least (up to the float32 terms' rounding),
+    never above amax / fmax's, and lower on average on data with outliers."""
+    dtype = formats.fp8_dtype(name)
+    torch.manual_seed(1)
+    x = torch.randn(64, 577) * torch.logspace(-9, 3, 64)[:, None]  # includes rows in the FP8 subnormal range
+    x[:, :4] *= 30.0  # outlier channels, as LLM activations have
+    q, scale = formats.quantize_activation(x, dtype, "token-mse")
+    base = formats.scale_from_amax(formats.activation_amax(x, "token"), dtype)
+    factors = torch.tensor(formats.TOKEN_MSE_FACTORS)
+    assert factors[0] == 1.0 and (factors[1:] > factors[:-1]).all() and factors[-1] < 2.0
+    assert (scale >= base).all() and (scale < 2 * base).all()
+    errors = torch.stack([_row_errors(x, base * f, dtype) for f in formats.TOKEN_MSE_FACTORS], dim=-1)
+    chosen = _row_errors(x, scale, dtype)
+    assert (chosen <= errors.amin(-1) * (1 + 1e-6)).all()
+    assert (chosen <= errors[:, 0] * (1 + 1e-6)).all()
+    assert chosen.sum() < 0.9 * errors[:, 0].sum()
+    # q is the plain saturating cast at the chosen scale
+    assert torch.equal(q.view(torch.uint8), formats.quantize_with_scale(x, scale, dtype).view(torch.uint8))
+
+
+def test_token_mse_exact_rows_keep_the_amax_scale():
+    x = torch.zeros(3, 16)
+    x[1, 3] = 5.0  # one value: exact at every candidate
+    _, scale = formats.quantize_activation(x, torch.float8_e4m3fn, "token-mse")
+    assert torch.equal(scale, formats.scale_from_amax(formats.activation_amax(x, "token"), torch.float8_e4m3fn))
 
 
 def test_non_finite_activation_does_not_spoil_per_tensor_scale():

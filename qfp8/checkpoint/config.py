@@ -15,6 +15,10 @@ and transformers load natively:
   extra fields there), so a cache stored in another FP8 type than e4m3fn is
   named by a top-level ``qfp8_kv_cache_dtype`` key (``quantization_config``
   ignores unknown keys). Without it the cache is e4m3fn.
+- ``token-mse`` activations (qfp8's searched per-token scales) are written
+  as dynamic ``token`` activations, which is what vLLM then computes; the
+  top-level ``qfp8_token_mse_groups`` key lists their groups, so that qfp8
+  itself searches again after loading.
 
 compressed-tensors' float type is e4m3fn only; weights stored as e5m2 or
 e4m3fnuz keep their dtype in the safetensors header, which is where qfp8's
@@ -54,7 +58,8 @@ def scheme_to_group(scheme: QuantizationScheme, targets: list[str]) -> dict:
         inputs = _float_args("group", True)
         inputs["group_size"] = formats.ACTIVATION_GROUP_SIZE
     else:
-        inputs = _float_args(scheme.activation_scale, True)
+        strategy = "token" if scheme.activation_scale == "token-mse" else scheme.activation_scale
+        inputs = _float_args(strategy, True)
     return {
         "targets": targets,
         "weights": weights,
@@ -71,6 +76,9 @@ def kv_cache_scheme(dtype: torch.dtype | None) -> dict | None:
 
 
 KV_DTYPE_KEY = "qfp8_kv_cache_dtype"
+TOKEN_MSE_KEY = "qfp8_token_mse_groups"
+# The dynamic activation strategies of compressed-tensors that qfp8 reads.
+DYNAMIC_STRATEGIES = ("tensor", "token", "group")
 
 
 def kv_cache_dtype(qc: dict, where: str) -> torch.dtype | None:
@@ -91,10 +99,11 @@ def build_quantization_config(
     by_scheme: dict[QuantizationScheme, list[str]] = {}
     for name, scheme in schemes.items():
         by_scheme.setdefault(scheme, []).append(name)
+    schemes_of = {f"group_{i}": scheme for i, scheme in enumerate(by_scheme)}
     if len(by_scheme) == 1:
-        groups = {"group_0": scheme_to_group(next(iter(by_scheme)), ["Linear"])}
+        groups = {"group_0": scheme_to_group(schemes_of["group_0"], ["Linear"])}
     else:
-        groups = {f"group_{i}": scheme_to_group(s, names) for i, (s, names) in enumerate(by_scheme.items())}
+        groups = {name: scheme_to_group(scheme, by_scheme[scheme]) for name, scheme in schemes_of.items()}
     config = {
         "quant_method": QUANT_METHOD,
         "format": FLOAT_FORMAT,
@@ -107,7 +116,21 @@ def build_quantization_config(
     }
     if kv_cache_dtype is not None and kv_cache_dtype != torch.float8_e4m3fn:
         config[KV_DTYPE_KEY] = str(kv_cache_dtype).removeprefix("torch.")
+    token_mse = [
+        name for name, s in schemes_of.items() if s.activations == "dynamic" and s.activation_scale == "token-mse"
+    ]
+    if token_mse:
+        config[TOKEN_MSE_KEY] = token_mse
     return config
+
+
+def token_mse_groups(qc: dict, where: str) -> list[str]:
+    """The config groups whose dynamic per-token scales qfp8 searches (``token-mse``)."""
+    names = qc.get(TOKEN_MSE_KEY) or []
+    groups = qc.get("config_groups") or {}
+    if not isinstance(names, list) or any(name not in groups for name in names):
+        raise ValueError(f"{where}: {TOKEN_MSE_KEY} must list config_groups names, got {names!r}")
+    return names
 
 
 # ------------------------------------------------------------------ reading
@@ -121,8 +144,14 @@ def _check_float8(args: dict, where: str) -> None:
         )
 
 
-def group_to_scheme(group: dict, where: str, weight_dtype: torch.dtype = torch.float8_e4m3fn) -> QuantizationScheme:
-    """The :class:`QuantizationScheme` of one compressed-tensors ``config_group``."""
+def group_to_scheme(
+    group: dict, where: str, weight_dtype: torch.dtype = torch.float8_e4m3fn, token_mse: bool = False
+) -> QuantizationScheme:
+    """The :class:`QuantizationScheme` of one compressed-tensors ``config_group``.
+
+    ``token_mse``: the group is listed under ``qfp8_token_mse_groups``; its
+    dynamic per-token activations become ``token-mse``.
+    """
     weights = group.get("weights")
     if not weights:
         raise ValueError(f"{where}: config group has no 'weights' entry; qfp8 reads weight-quantized groups only")
@@ -146,7 +175,7 @@ def group_to_scheme(group: dict, where: str, weight_dtype: torch.dtype = torch.f
                 raise ValueError(f"{where}.input_activations: static scales must be per tensor, got {a_strategy!r}")
             activations, activation_scale = "static", "tensor"
         else:
-            if a_strategy not in formats.ACTIVATION_GRANULARITIES:
+            if a_strategy not in DYNAMIC_STRATEGIES:
                 raise ValueError(f"{where}.input_activations: unsupported dynamic strategy {a_strategy!r}")
             if a_strategy == "group" and inputs.get("group_size") not in (None, formats.ACTIVATION_GROUP_SIZE):
                 raise ValueError(
@@ -154,6 +183,10 @@ def group_to_scheme(group: dict, where: str, weight_dtype: torch.dtype = torch.f
                     f"(qfp8 uses {formats.ACTIVATION_GROUP_SIZE})"
                 )
             activations, activation_scale = "dynamic", a_strategy
+    if token_mse:
+        if activation_scale != "token" or activations != "dynamic":
+            raise ValueError(f"{where}: listed in {TOKEN_MSE_KEY} but its input activations are not dynamic per token")
+        activation_scale = "token-mse"
     return QuantizationScheme(weight_dtype, strategy, block_size, activations, activation_scale)
 
 

@@ -311,6 +311,7 @@ def _read_compressed_tensors(checkpoint: Checkpoint, plan: CheckpointPlan) -> No
     groups = qc.get("config_groups") or {}
     ignore = qc.get("ignore") or []
     where = str(checkpoint.directory / "config.json")
+    token_mse = qconfig.token_mse_groups(qc, where)
     modules = [_module_of(key, ".weight_scale") for key in checkpoint.where if key.endswith(".weight_scale")]
     for module in modules:
         if any(qconfig.matches(module, "Linear", target) for target in ignore):
@@ -324,7 +325,9 @@ def _read_compressed_tensors(checkpoint: Checkpoint, plan: CheckpointPlan) -> No
         if module + ".weight" not in checkpoint.where:
             raise ValueError(f"{checkpoint.where[module + '.weight_scale'].path.name}: {module}.weight is missing")
         dtype = _check_weight(checkpoint, module, module + ".weight")
-        scheme = qconfig.group_to_scheme(groups[group_name], f"{where}: config_groups.{group_name}", dtype)
+        scheme = qconfig.group_to_scheme(
+            groups[group_name], f"{where}: config_groups.{group_name}", dtype, token_mse=group_name in token_mse
+        )
         shape, scheme = _scale_shape(checkpoint, module, module + ".weight_scale", scheme)
         plan.schemes[module] = scheme
         plan.tensors[module + ".weight"] = checkpoint.stored(module + ".weight")

@@ -306,7 +306,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--activation-scale",
         default="token",
         choices=formats.ACTIVATION_GRANULARITIES,
-        help="dynamic scales' granularity; static scales are per tensor",
+        help="dynamic scales' granularity; static scales are per tensor. token-mse: per-token scales searched by "
+        "qfp8's kernels for the least rounding error (written as dynamic token: vLLM computes amax / fmax)",
     )
     parser.add_argument(
         "--kv-cache",

@@ -289,10 +289,10 @@ def quantize_for_scaled_mm(
         if input_scale is None:
             raise ValueError("activation='static' needs input_scale; calibrate the model first")
         q, scale = formats.quantize_activation(x2d, activation_dtype, "tensor", scale=input_scale)
-    elif activation in ("token", "tensor"):
+    elif activation in ("token", "tensor", "token-mse"):
         q, scale = formats.quantize_activation(x2d, activation_dtype, activation)
     else:
-        raise ValueError(f"_scaled_mm takes activation 'token', 'tensor' or 'static', got {activation!r}")
+        raise ValueError(f"_scaled_mm takes activation 'token', 'token-mse', 'tensor' or 'static', got {activation!r}")
     k = x2d.shape[1]
     if padded_k != k:
         wide = torch.zeros(x2d.shape[0], padded_k, dtype=torch.uint8, device=x2d.device)
@@ -387,7 +387,7 @@ def _scaled_mm_reason(request: KernelRequest, padded: bool) -> str | None:
     reason = _common_reason(request, SCALED_MM_MIN_CAPABILITY)
     if reason is not None:
         return reason
-    if request.activation not in ("token", "tensor", "static"):
+    if request.activation not in ("token", "token-mse", "tensor", "static"):
         return f"activation {request.activation!r}: _scaled_mm takes per-token or per-tensor FP8 activations"
     if request.granularity not in ("tensor", "channel"):
         return f"{request.granularity} weight scales are neither tensorwise nor rowwise"
@@ -396,7 +396,7 @@ def _scaled_mm_reason(request: KernelRequest, padded: bool) -> str | None:
             f"_scaled_mm on NVIDIA takes float8_e4m3fn activations with e4m3fn/e5m2 weights, got "
             f"{request.activation_dtype} x {request.weight_dtype}"
         )
-    rowwise = request.activation == "token" or request.granularity == "channel"
+    rowwise = request.activation in ("token", "token-mse") or request.granularity == "channel"
     capability = device_capability(request.device)
     if rowwise and tuple(capability) < ROWWISE_MIN_CAPABILITY:
         return (

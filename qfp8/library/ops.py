@@ -11,8 +11,9 @@ Arguments shared by every linear op of the ``qfp8`` namespace, in this order:
   ``[ceil(N/bn), ceil(K/bk)]`` (block, with ``block_size = [bn, bk]``).
 - ``bias``: ``[N]`` or None; ``input_scale``: float32 ``[1]`` for static
   activations, else None.
-- ``activation``: ``"none"`` (W8A16), ``"token"``, ``"tensor"``, ``"group"``
-  (dynamic scales) or ``"static"`` (``input_scale``); ``activation_dtype``
+- ``activation``: ``"none"`` (W8A16), ``"token"``, ``"tensor"``, ``"group"``,
+  ``"token-mse"`` (dynamic scales; see ``formats``) or ``"static"``
+  (``input_scale``); ``activation_dtype``
   is the FP8 dtype activations are quantized to.
 
 Ops take plain tensors and know nothing of modules: validation of shapes and
@@ -25,7 +26,7 @@ import torch
 
 from qfp8 import formats
 
-ACTIVATION_MODES = ("none", "token", "tensor", "group", "static")
+ACTIVATION_MODES = ("none", "token", "tensor", "group", "static", "token-mse")
 
 
 def reference_activation(

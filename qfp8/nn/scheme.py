@@ -17,7 +17,7 @@ class QuantizationScheme:
     weight_scale: str = "channel"  # "tensor" | "channel" | "block"
     block_size: tuple[int, ...] = ()  # (bn, bk) for block scales, else ()
     activations: str | None = None  # None (W8A16) | "dynamic" | "static"
-    activation_scale: str = "token"  # "token" | "tensor" | "group"; "static" implies "tensor"
+    activation_scale: str = "token"  # "token" | "tensor" | "group" | "token-mse"; "static" implies "tensor"
 
     @classmethod
     def from_args(

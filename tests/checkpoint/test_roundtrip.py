@@ -20,6 +20,7 @@ SCHEMES = {
     "w-channel": dict(weight_scale="channel"),
     "w-block": dict(weight_scale="block", block_size=(32, 32)),
     "w-channel-a-token": dict(weight_scale="channel", activations="dynamic", activation_scale="token"),
+    "w-channel-a-token-mse": dict(weight_scale="channel", activations="dynamic", activation_scale="token-mse"),
     "w-tensor-a-tensor": dict(weight_scale="tensor", activations="dynamic", activation_scale="tensor"),
     "w-block-a-group": dict(weight_scale="block", block_size=(32, 32), activations="dynamic", activation_scale="group"),
     "w-tensor-a-static": dict(weight_scale="tensor", activations="static"),
@@ -70,6 +71,43 @@ def test_config_is_compressed_tensors(tiny, tmp_path):
     compressed_tensors = pytest.importorskip("compressed_tensors", reason="validates the config with its schema")
     parsed = compressed_tensors.quantization.QuantizationConfig.model_validate(qc)
     assert parsed.config_groups["group_0"].weights.block_structure == [32, 32]
+
+
+def test_token_mse_is_written_as_dynamic_token_and_named_for_qfp8(tiny, tmp_path, x):
+    """vLLM and compressed-tensors see a plain dynamic per-token checkpoint; qfp8 reads token-mse back."""
+    model = tiny.model()
+    qfp8.quantize(model, weight_scale="channel", activations="dynamic", activation_scale="token-mse",
+                  exclude=("lm_head", "*mlp*"))  # fmt: skip
+    mlp = tiny.model()
+    qfp8.quantize(mlp, weight_scale="channel", activations="dynamic", activation_scale="token",
+                  exclude=("lm_head", "*self_attn*"))  # fmt: skip
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp = mlp.model.layers[i].mlp
+    qfp8.save_pretrained(model, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert len(qc["config_groups"]) == 2
+    for group in qc["config_groups"].values():
+        assert group["input_activations"]["strategy"] == "token" and group["input_activations"]["dynamic"]
+    (mse_group,) = qc["qfp8_token_mse_groups"]
+    targets = qc["config_groups"][mse_group]["targets"]
+    assert targets and all(".self_attn." in target for target in targets)
+    compressed_tensors = pytest.importorskip("compressed_tensors", reason="validates the config with its schema")
+    compressed_tensors.quantization.QuantizationConfig.model_validate(qc)
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert loaded.model.layers[1].self_attn.q_proj.scheme.activation_scale == "token-mse"
+    assert loaded.model.layers[1].mlp.up_proj.scheme.activation_scale == "token"
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, loaded(x).logits)
+
+
+def test_token_mse_groups_key_must_name_dynamic_token_groups(tiny, tmp_path):
+    qfp8.save_pretrained(quantized_model(tiny, SCHEMES["w-channel"]), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for bad, message in ((["group_7"], "must list config_groups names"), (["group_0"], "not dynamic per token")):
+        config["quantization_config"]["qfp8_token_mse_groups"] = bad
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            qfp8.from_pretrained(tmp_path)
 
 
 def test_mixed_schemes_get_one_group_each(tiny, tmp_path, x):

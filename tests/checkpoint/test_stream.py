@@ -16,11 +16,13 @@ from qfp8.cli import main
 CASES = {
     "channel": ["--weight-scale", "channel"],
     "tensor-a-token": ["--weight-scale", "tensor", "--activations", "dynamic"],
+    "channel-a-token-mse": ["--activations", "dynamic", "--activation-scale", "token-mse"],
     "block": ["--weight-scale", "block", "--block-size", "32", "32"],
 }
 KWARGS = {
     "channel": dict(weight_scale="channel"),
     "tensor-a-token": dict(weight_scale="tensor", activations="dynamic"),
+    "channel-a-token-mse": dict(weight_scale="channel", activations="dynamic", activation_scale="token-mse"),
     "block": dict(weight_scale="block", block_size=(32, 32)),
 }
 

@@ -33,6 +33,7 @@ SCHEMES = {
     "a-dynamic-token": {"activations": "dynamic", "activation_scale": "token"},
     "a-dynamic-tensor": {"activations": "dynamic", "activation_scale": "tensor"},
     "a-dynamic-group": {"activations": "dynamic", "activation_scale": "group"},
+    "a-dynamic-token-mse": {"activations": "dynamic", "activation_scale": "token-mse"},
     "a-static": {"activations": "static"},
 }
 

@@ -45,6 +45,7 @@ CASES = [
     ("block", "none", torch.float32, torch.float32),
     ("channel", "static", torch.float16, torch.float16),
     ("channel", "group", None, torch.float32),
+    ("channel", "token-mse", torch.bfloat16, torch.bfloat16),
 ]
 
 

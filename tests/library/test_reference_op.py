@@ -7,7 +7,7 @@ from qfp8 import formats
 from qfp8.library import ops  # noqa: F401
 from qfp8.library.testing import opcheck
 
-MODES = ["none", "token", "tensor", "group", "static"]
+MODES = ["none", "token", "tensor", "group", "static", "token-mse"]
 
 
 def float64_linear(x, q, w_scale, bias, block_size, activation, act_dtype, input_scale):

@@ -8,8 +8,15 @@ from qfp8.nn import QLinear, QuantizationScheme
 
 WEIGHTS = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz"]
 WEIGHT_SCALES = ["tensor", "channel", "block"]
-ACTIVATIONS = [(None, "token"), ("dynamic", "token"), ("dynamic", "tensor"), ("dynamic", "group"), ("static", "tensor")]
-ACTIVATION_IDS = ["a-none", "a-token", "a-tensor", "a-group", "a-static"]
+ACTIVATIONS = [
+    (None, "token"),
+    ("dynamic", "token"),
+    ("dynamic", "tensor"),
+    ("dynamic", "group"),
+    ("dynamic", "token-mse"),
+    ("static", "tensor"),
+]
+ACTIVATION_IDS = ["a-none", "a-token", "a-tensor", "a-group", "a-token-mse", "a-static"]
 # SQNR floors of a layer's output against float64: FP8 rounding of the weight
 # alone costs about 31 dB (e4m3) / 25 dB (e5m2); quantizing the activation too
 # costs about 3 dB more.

@@ -4,7 +4,7 @@ import torch
 from qfp8 import Float8ActivationTensor, formats
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "token", "group"], ids=lambda g: f"a-{g}")
+@pytest.mark.parametrize("granularity", ["tensor", "token", "group", "token-mse"], ids=lambda g: f"a-{g}")
 def test_quantize_dequantize_sqnr(granularity):
     x = torch.randn(2, 5, 300, dtype=torch.float64)
     a = Float8ActivationTensor.quantize(x.float(), granularity=granularity)

@@ -85,6 +85,38 @@ using DecodeAttentionFn = void (*)(const DecodeAttention&, int64_t task_begin, i
 void decode_attention_scalar(const DecodeAttention& a, int64_t task_begin, int64_t task_end);
 void decode_attention_avx2(const DecodeAttention& a, int64_t task_begin, int64_t task_end);
 
+// ------------------------------------------------------------ token-mse search
+// The grid of an FP8 activation dtype, for the "token-mse" scale search
+// (formats.token_mse_scale): a value is rounded to it as the c10 casts do,
+// to nearest even. Normal magnitudes drop `dropped_bits` float32 mantissa
+// bits with the add-half-minus-one-plus-odd-bit carry (which may carry into
+// the exponent); below `min_normal`, (a + magic) - magic rounds to the
+// subnormal step (magic = step * 2^23).
+struct Fp8Grid {
+  int dropped_bits;
+  float min_normal, magic, fmax;
+};
+
+inline float round_to_grid(float v, const Fp8Grid& grid) {
+  float a = v < 0.0f ? -v : v;
+  if (a < grid.min_normal) {
+    a = (a + grid.magic) - grid.magic;
+  } else {
+    uint32_t bits;
+    std::memcpy(&bits, &a, sizeof bits);
+    const uint32_t half = (1u << (grid.dropped_bits - 1)) - 1u;
+    bits = (bits + half + ((bits >> grid.dropped_bits) & 1u)) & ~((1u << grid.dropped_bits) - 1u);
+    std::memcpy(&a, &bits, sizeof bits);
+  }
+  return v < 0.0f ? -a : a;
+}
+
+// sum over k of (round_to_grid(clamp(row[k] / scale, +-fmax)) * scale - row[k])^2,
+// float32 terms, float64 sum; row holds finite values.
+using GridErrorFn = double (*)(const float* row, int64_t K, float scale, const Fp8Grid& grid);
+double grid_error_scalar(const float* row, int64_t K, float scale, const Fp8Grid& grid);
+double grid_error_avx2(const float* row, int64_t K, float scale, const Fp8Grid& grid);
+
 // The FP8 -> fp16 bit trick every vector kernel uses: an e4m3 byte b becomes
 // the fp16 with bits ((int16)(b << 8) >> 1) & 0xBFFF (sign kept in bit 15,
 // exponent and mantissa one bit lower), whose value is the e4m3 value / 2^8

@@ -35,6 +35,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -146,6 +147,13 @@ DecodeAttentionFn decode_attention_for_current_isa() {
   return decode_attention_scalar;
 }
 
+GridErrorFn grid_error_for_current_isa() {
+#ifdef QFP8_HAVE_AVX2
+  if (current_isa().fn != linear_tiles_scalar) return grid_error_avx2;
+#endif
+  return grid_error_scalar;
+}
+
 int fp8_format(c10::ScalarType dtype, const char* what) {
   switch (dtype) {
     case at::kFloat8_e4m3fn:
@@ -182,7 +190,7 @@ inline float round_to_fp8(float v, at::ScalarType dtype) {
   }
 }
 
-enum Activation { kNone, kToken, kTensor, kGroup, kStatic };
+enum Activation { kNone, kToken, kTensor, kGroup, kStatic, kTokenMse };
 constexpr int64_t kGroupSize = 128;  // 1 x 128 activation groups (formats.ACTIVATION_GROUP_SIZE)
 
 Activation parse_activation(c10::string_view activation) {
@@ -191,8 +199,9 @@ Activation parse_activation(c10::string_view activation) {
   if (activation == "tensor") return kTensor;
   if (activation == "group") return kGroup;
   if (activation == "static") return kStatic;
+  if (activation == "token-mse") return kTokenMse;
   TORCH_CHECK(false, "qfp8::scaled_linear_cpu: unknown activation mode '", std::string(activation),
-              "'; expected none, token, tensor, group or static");
+              "'; expected none, token, tensor, group, static or token-mse");
 }
 
 // amax over the finite |x| of [begin, end) of one row (formats.activation_amax).
@@ -222,6 +231,38 @@ void quantize_segment(const T* x, int64_t begin, int64_t end, float scale, float
 
 inline float scale_from_amax(float amax, float fmax) { return std::max(amax, 1e-12f) / fmax; }
 
+// The FP8 grid of an activation dtype (kernel.h).
+Fp8Grid fp8_grid(at::ScalarType dtype, float fmax) {
+  if (dtype == at::kFloat8_e5m2) return {21, std::ldexp(1.0f, -14), std::ldexp(1.0f, -16 + 23), fmax};
+  if (dtype == at::kFloat8_e4m3fnuz) return {20, std::ldexp(1.0f, -7), std::ldexp(1.0f, -10 + 23), fmax};
+  return {20, std::ldexp(1.0f, -6), std::ldexp(1.0f, -9 + 23), fmax};
+}
+
+// formats.token_mse_scale for one row; `row` holds its values as float32
+// with the non-finite ones replaced by zero. The factors are the float32
+// values of 2^(j/16) (formats.TOKEN_MSE_FACTORS).
+float token_mse_scale(const float* row, int64_t K, float amax, float fmax, at::ScalarType dtype) {
+  static const std::vector<float> factors = [] {
+    std::vector<float> f(16);
+    for (int j = 0; j < 16; ++j) f[j] = static_cast<float>(std::exp2(j / 16.0));
+    return f;
+  }();
+  const Fp8Grid grid = fp8_grid(dtype, fmax);
+  const GridErrorFn grid_error = grid_error_for_current_isa();
+  const float base = scale_from_amax(amax, fmax);
+  float best_scale = base;
+  double best_error = 0.0;
+  for (int j = 0; j < 16; ++j) {
+    const float scale = base * factors[j];
+    const double error = grid_error(row, K, scale, grid);
+    if (j == 0 || error < best_error) {
+      best_scale = scale;
+      best_error = error;
+    }
+  }
+  return best_scale;
+}
+
 // Fills buffer [M][Kp] (zero padded) and row_scale [M] from x [M][K].
 template <typename T>
 void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activation mode, at::ScalarType qdtype,
@@ -249,6 +290,18 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
           break;
         case kToken: {
           const float scale = scale_from_amax(finite_amax(xr, 0, K), qmax);
+          quantize_segment(xr, 0, K, scale, qmax, qdtype, 1.0f, out);
+          row_scale[m] = scale;
+          break;
+        }
+        case kTokenMse: {
+          float amax = 0.0f;
+          for (int64_t k = 0; k < K; ++k) {
+            const float v = load_float(xr, k);
+            out[k] = std::isfinite(v) ? v : 0.0f;
+            amax = std::max(amax, std::fabs(out[k]));
+          }
+          const float scale = token_mse_scale(out, K, amax, qmax, qdtype);
           quantize_segment(xr, 0, K, scale, qmax, qdtype, 1.0f, out);
           row_scale[m] = scale;
           break;
