@@ -60,6 +60,7 @@ SCHEMES = {
     "w8a16-channel": {"weight_scale": "channel"},
     "w8a16-block": {"weight_scale": "block", "block_size": (128, 128)},
     "w8a8-dynamic-token": {"activations": "dynamic", "activation_scale": "token"},
+    "w8a8-dynamic-token-mse": {"activations": "dynamic", "activation_scale": "token-mse"},
     "w8a8-static": {"activations": "static"},
 }
 BASELINE = "bf16"

@@ -111,11 +111,11 @@ inline float round_to_grid(float v, const Fp8Grid& grid) {
   return v < 0.0f ? -a : a;
 }
 
-// sum over k of (round_to_grid(clamp(row[k] / scale, +-fmax)) * scale - row[k])^2,
+// sum over k of (round_to_grid(u) - u)^2 with u = clamp(row[k] * inverse, +-fmax):
 // float32 terms, float64 sum; row holds finite values.
-using GridErrorFn = double (*)(const float* row, int64_t K, float scale, const Fp8Grid& grid);
-double grid_error_scalar(const float* row, int64_t K, float scale, const Fp8Grid& grid);
-double grid_error_avx2(const float* row, int64_t K, float scale, const Fp8Grid& grid);
+using GridErrorFn = double (*)(const float* row, int64_t K, float inverse, const Fp8Grid& grid);
+double grid_error_scalar(const float* row, int64_t K, float inverse, const Fp8Grid& grid);
+double grid_error_avx2(const float* row, int64_t K, float inverse, const Fp8Grid& grid);
 
 // The FP8 -> fp16 bit trick every vector kernel uses: an e4m3 byte b becomes
 // the fp16 with bits ((int16)(b << 8) >> 1) & 0xBFFF (sign kept in bit 15,

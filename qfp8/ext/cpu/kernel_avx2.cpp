@@ -591,46 +591,62 @@ void decode_attention_avx2(const DecodeAttention& a, int64_t task_begin, int64_t
   decode_attention_tasks<Avx2AttentionOps>(a, task_begin, task_end);
 }
 
-// grid_error_scalar, 8 values at a time: the same division, rounding and
-// float32 terms; two float64 accumulators of 4 (the sum order differs from
-// the scalar loop's only in the last bits).
-double grid_error_avx2(const float* row, int64_t K, float scale, const Fp8Grid& grid) {
-  const __m256 s = _mm256_set1_ps(scale);
-  const __m256 hi = _mm256_set1_ps(grid.fmax), lo = _mm256_set1_ps(-grid.fmax);
+namespace {
+
+// The squared rounding errors of 8 values u (already clamped), added to two
+// float64 accumulators of 4. Dropped is the grid's dropped_bits (an
+// immediate shift count).
+template <int Dropped>
+inline void add_grid_error8(__m256 u, __m256 min_normal, __m256 magic, __m256d& acc0, __m256d& acc1) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i half = _mm256_set1_epi32((1 << (Dropped - 1)) - 1);
+  const __m256i keep = _mm256_set1_epi32(~((1 << Dropped) - 1));
+  const __m256 a = _mm256_andnot_ps(sign, u);
+  const __m256 sub = _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
+  const __m256i bits = _mm256_castps_si256(a);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, Dropped), _mm256_set1_epi32(1));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(bits, half), odd), keep));
+  const __m256 r = _mm256_or_ps(_mm256_blendv_ps(normal, sub, _mm256_cmp_ps(a, min_normal, _CMP_LT_OQ)),
+                                _mm256_and_ps(sign, u));
+  const __m256 d = _mm256_sub_ps(r, u);
+  const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(d));
+  const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
+  acc0 = _mm256_fmadd_pd(d0, d0, acc0);
+  acc1 = _mm256_fmadd_pd(d1, d1, acc1);
+}
+
+template <int Dropped>
+double grid_error_avx2_impl(const float* row, int64_t K, float inverse, const Fp8Grid& grid) {
+  const __m256 s = _mm256_set1_ps(inverse);
+  const __m256 hi = _mm256_set1_ps(grid.fmax), lo = _mm256_set1_ps(-grid.fmax);
   const __m256 min_normal = _mm256_set1_ps(grid.min_normal), magic = _mm256_set1_ps(grid.magic);
-  const __m256i half = _mm256_set1_epi32(static_cast<int>((1u << (grid.dropped_bits - 1)) - 1u));
-  const __m256i one = _mm256_set1_epi32(1);
-  const __m256i keep = _mm256_set1_epi32(static_cast<int>(~((1u << grid.dropped_bits) - 1u)));
-  const __m128i drop = _mm_cvtsi32_si128(grid.dropped_bits);
-  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const __m256 x = _mm256_loadu_ps(row + k);
-    const __m256 q = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(x, s), lo), hi);
-    const __m256 a = _mm256_andnot_ps(sign, q);
-    const __m256 sub = _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
-    const __m256i bits = _mm256_castps_si256(a);
-    const __m256i odd = _mm256_and_si256(_mm256_srl_epi32(bits, drop), one);
-    const __m256 normal =
-        _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(bits, half), odd), keep));
-    const __m256 r = _mm256_or_ps(_mm256_blendv_ps(normal, sub, _mm256_cmp_ps(a, min_normal, _CMP_LT_OQ)),
-                                  _mm256_and_ps(sign, q));
-    const __m256 d = _mm256_sub_ps(_mm256_mul_ps(r, s), x);
-    const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(d));
-    const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
-    acc0 = _mm256_fmadd_pd(d0, d0, acc0);
-    acc1 = _mm256_fmadd_pd(d1, d1, acc1);
+  for (; k + 16 <= K; k += 16) {
+    const __m256 u0 = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(row + k), s), lo), hi);
+    const __m256 u1 = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(row + k + 8), s), lo), hi);
+    add_grid_error8<Dropped>(u0, min_normal, magic, acc[0], acc[1]);
+    add_grid_error8<Dropped>(u1, min_normal, magic, acc[2], acc[3]);
   }
   alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(acc0, acc1));
+  _mm256_store_pd(lanes, _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3])));
   double error = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
   for (; k < K; ++k) {
-    const float q = std::fmin(std::fmax(row[k] / scale, -grid.fmax), grid.fmax);
-    const float d = round_to_grid(q, grid) * scale - row[k];
+    const float u = std::fmin(std::fmax(row[k] * inverse, -grid.fmax), grid.fmax);
+    const float d = round_to_grid(u, grid) - u;
     error += static_cast<double>(d) * d;
   }
   return error;
+}
+
+}  // namespace
+
+// grid_error_scalar, 16 values at a time: the same product, rounding and
+// float32 terms; four float64 accumulators of 4 (the sum order differs from
+// the scalar loop's only in the last bits).
+double grid_error_avx2(const float* row, int64_t K, float inverse, const Fp8Grid& grid) {
+  return grid.dropped_bits == 21 ? grid_error_avx2_impl<21>(row, K, inverse, grid)
+                                 : grid_error_avx2_impl<20>(row, K, inverse, grid);
 }
 
 }  // namespace qfp8

@@ -106,11 +106,11 @@ void decode_attention_scalar(const DecodeAttention& a, int64_t task_begin, int64
   decode_attention_tasks<ScalarAttentionOps>(a, task_begin, task_end);
 }
 
-double grid_error_scalar(const float* row, int64_t K, float scale, const Fp8Grid& grid) {
+double grid_error_scalar(const float* row, int64_t K, float inverse, const Fp8Grid& grid) {
   double error = 0.0;
   for (int64_t k = 0; k < K; ++k) {
-    const float q = std::fmin(std::fmax(row[k] / scale, -grid.fmax), grid.fmax);
-    const float d = round_to_grid(q, grid) * scale - row[k];
+    const float u = std::fmin(std::fmax(row[k] * inverse, -grid.fmax), grid.fmax);
+    const float d = round_to_grid(u, grid) - u;
     error += static_cast<double>(d) * d;
   }
   return error;

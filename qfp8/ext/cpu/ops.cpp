@@ -254,7 +254,7 @@ float token_mse_scale(const float* row, int64_t K, float amax, float fmax, at::S
   double best_error = 0.0;
   for (int j = 0; j < 16; ++j) {
     const float scale = base * factors[j];
-    const double error = grid_error(row, K, scale, grid);
+    const double error = grid_error(row, K, 1.0f / scale, grid) * (static_cast<double>(scale) * scale);
     if (j == 0 || error < best_error) {
       best_scale = scale;
       best_error = error;
