@@ -41,6 +41,10 @@ CASES = {
     "qwen3-a-static-kv": ("qwen3", dict(activations="static", kv_cache="float8_e4m3fn")),
     # Accuracy mode: the weights themselves come from the layer-by-layer calibration.
     "llama-w-channel-gptq": ("llama", dict(weight_scale="channel", accuracy="gptq")),
+    "llama-a-token-mse-gptq": (
+        "llama",
+        dict(weight_scale="channel", activations="dynamic", activation_scale="token-mse", accuracy="gptq"),
+    ),
     "llama-w-block-a-static-gptq-lm_head": (
         "llama",
         dict(weight_scale="block", block_size=(32, 32), activations="static", accuracy="gptq", exclude=()),
