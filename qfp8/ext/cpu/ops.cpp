@@ -295,13 +295,11 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
           break;
         }
         case kTokenMse: {
-          float amax = 0.0f;
           for (int64_t k = 0; k < K; ++k) {
             const float v = load_float(xr, k);
             out[k] = std::isfinite(v) ? v : 0.0f;
-            amax = std::max(amax, std::fabs(out[k]));
           }
-          const float scale = token_mse_scale(out, K, amax, qmax, qdtype);
+          const float scale = token_mse_scale(out, K, finite_amax(out, 0, K), qmax, qdtype);
           quantize_segment(xr, 0, K, scale, qmax, qdtype, 1.0f, out);
           row_scale[m] = scale;
           break;
@@ -459,7 +457,6 @@ void scaled_linear_cpu_into(at::Tensor out, const at::Tensor& x, const at::Tenso
   scaled_linear_into(out, x, packed, weight_scale, bias, input_scale, out_features, in_features, block_size,
                      parse_activation(activation), activation_dtype);
 }
-
 
 // A byte buffer for a packed weight, aligned to 2 MiB and, on Linux, advised
 // for transparent huge pages before its first touch. A matrix-vector product
