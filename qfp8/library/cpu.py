@@ -186,6 +186,110 @@ def _apply_isa_environment() -> None:
 _apply_isa_environment()
 
 
+# ------------------------------------------------------------ self-check
+#
+# The tests run every variant the test machine supports, but the AVX512
+# ones, compiled into every x86-64 build, have not yet run on a machine with
+# AVX512. So at import the variant picked for this CPU runs small problems
+# through every code path it has and is compared with the reference op's
+# math; one that disagrees is not used (one warning, then the next variant
+# down). It costs about 40 ms once per process.
+
+# Relative L2 error of the output: float32 outputs differ from the float64
+# reference only by the sum order, bf16 / fp16 ones also by the final
+# rounding; a wrong lane, tail or conversion gives errors of order 1.
+SELF_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _self_check_cases():
+    """(x, weight, scale, bias, input_scale, block_size, activation, fp8 dtype) reaching every kernel path.
+
+    Each FP8 format x each scale kind (tensor, channel, block with an even
+    and an odd k block) runs M = 1 (the streamed row), M = 3 (rows from
+    registers) and M = 9 (the converted panel, one full 6-row block and a
+    tail); the activation modes and the dtype of x cycle with periods (7 and
+    4) prime to the 3 of M, so that every mode meets every M. N and K have
+    tails.
+    """
+    generator = torch.Generator().manual_seed(20261130)
+    n, k = 45, 37
+    granularities = (("tensor", ()), ("channel", ()), ("block", (16, 10)), ("block", (16, 5)))
+    activations = ("none", "token", "static", "none", "tensor", "token-mse", "group")
+    x_dtypes = (torch.float32, torch.bfloat16, torch.float32, torch.float16)
+    cases, turn = [], 0
+    for dtype in formats.FP8_DTYPES.values():
+        for granularity, block_size in granularities:
+            w = torch.randn(n, k, generator=generator) * torch.rand(n, 1, generator=generator).add(0.1)
+            q, scale = formats.quantize_weight(w, dtype, granularity, block_size or formats.DEFAULT_BLOCK_SIZE)
+            bias = torch.randn(n, generator=generator) if turn % 2 else None
+            for m in (1, 3, 9):
+                x = torch.randn(m, k, generator=generator).to(x_dtypes[turn % len(x_dtypes)])
+                input_scale = formats.scale_from_amax(x.float().abs().amax().reshape(1), dtype)
+                activation = activations[turn % len(activations)]
+                cases.append((x, q, scale, bias, input_scale, list(block_size), activation, dtype))
+                turn += 1
+    return cases
+
+
+def verify_cpu_kernel_isa(isa: str) -> str | None:
+    """Runs the ``isa`` variant on :func:`_self_check_cases` against the reference op's math in float64.
+
+    Returns None when every output agrees within ``SELF_CHECK_TOLERANCE``
+    (for the dtype of x), else a description of the first case that does not
+    (or of the error it raised). The previously selected variant is restored.
+    """
+    if _EXTENSION is None:
+        raise ValueError("the qfp8 CPU extension is not loaded; there is no CPU kernel to check")
+    with torch.no_grad(), cpu_kernel_isa_forced(isa):
+        for x, q, scale, bias, input_scale, block_size, activation, dtype in _self_check_cases():
+            n, k = q.shape
+            what = (
+                f"M={x.shape[0]}, N={n}, K={k}, x {x.dtype}, weight {dtype}, scale {tuple(scale.shape)}, "
+                f"block_size={block_size}, activation={activation!r}"
+            )
+            args = (scale, bias, input_scale)
+            try:
+                got = _kernel_op(x, torch.ops.qfp8.pack_weight_cpu(q), *args, n, k, block_size, activation, dtype)
+            except Exception as error:  # a kernel that raises on valid input is as unusable as a wrong one
+                return f"{what}: raised {type(error).__name__}: {error}"
+            # The reference op's math in float64, as a broadcast product: a
+            # BLAS call may wake a thread pool, which costs more than the check.
+            x_values = ops.reference_activation(x, activation, dtype, input_scale).double()
+            w = formats.dequantize_weight(q, scale, block_size or None).double()
+            want = (x_values[:, None, :] * w[None]).sum(-1) + (0.0 if bias is None else bias.double())
+            error = (got.double() - want).norm() / want.norm()
+            if not bool(torch.isfinite(error)) or error > SELF_CHECK_TOLERANCE[x.dtype]:
+                return f"{what}: relative error {float(error):.3g} against the reference op"
+    return None
+
+
+def _kernel_op(*args):
+    return torch.ops.qfp8.scaled_linear_cpu(*args)
+
+
+def _use_verified_isa() -> bool:
+    """Keeps the selected variant if it passes the self-check, else steps down; False if none passes."""
+    while True:
+        isa = cpu_kernel_isa()
+        problem = verify_cpu_kernel_isa(isa)
+        if problem is None:
+            return True
+        below = usable_isas()[usable_isas().index(isa) + 1 :]
+        fallback = below[0] if below else "the reference op (no CPU kernel)"
+        warnings.warn(
+            f"qfp8: the {isa} CPU kernel disagrees with the reference op on this machine ({problem}); "
+            f"using {fallback} instead. Please report this with your CPU model.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        if not below:
+            return False
+        torch.ops.qfp8._cpu_set_isa(below[0])
+
+
+KERNEL_VERIFIED = _EXTENSION is not None and _use_verified_isa()
+
+
 # ------------------------------------------------------------ validation
 
 
@@ -295,7 +399,7 @@ def _supports(request: KernelRequest) -> str | None:
     return None
 
 
-if _EXTENSION is not None:
+if KERNEL_VERIFIED:
     register_kernel(
         "cpu",
         LinearKernel(
