@@ -44,6 +44,10 @@ from qfp8.library.routing import KernelRequest, LinearKernel, register_kernel
 
 TILE_N = 32  # output channels per packed tile
 ISAS = ("avx512bf16", "avx512", "avx2", "scalar")
+# Test-only variants, never chosen automatically: "avx512emu" is the AVX512
+# kernel's code with each 512-bit intrinsic done on two AVX2 halves, so that
+# the tests run that code (bitwise its results) on CPUs without AVX512.
+EMULATED_ISAS = ("avx512emu",)
 
 torch.library.define("qfp8::pack_weight_cpu", "(Tensor weight) -> Tensor")
 torch.library.define("qfp8::unpack_weight_cpu", "(Tensor packed, int out_features, int in_features) -> Tensor")
@@ -142,6 +146,13 @@ def compiled_isas() -> list[str]:
     return list(torch.ops.qfp8._cpu_compiled_isas())
 
 
+def emulated_isas() -> list[str]:
+    """Test-only variants (see ``EMULATED_ISAS``) this build and CPU run."""
+    if _EXTENSION is None:
+        return []
+    return list(torch.ops.qfp8._cpu_emulated_isas())
+
+
 def cpu_kernel_isa() -> str | None:
     """The ISA the CPU kernel runs with now ("avx2", ...), or None without the extension."""
     if _EXTENSION is None:
@@ -150,11 +161,19 @@ def cpu_kernel_isa() -> str | None:
 
 
 def set_cpu_kernel_isa(isa: str) -> None:
-    """Makes every later call use ``isa``; ``ValueError`` if unknown or not runnable here."""
-    if isa not in ISAS:
+    """Makes every later call use ``isa``; ``ValueError`` if unknown or not runnable here.
+
+    The test-only ``EMULATED_ISAS`` are accepted too where they run.
+    """
+    if isa not in ISAS + EMULATED_ISAS:
         raise ValueError(f"unknown CPU kernel ISA {isa!r}; expected one of {ISAS}")
     if _EXTENSION is None:
         raise ValueError("the qfp8 CPU extension is not loaded; no CPU kernel ISA can be selected")
+    if isa in EMULATED_ISAS:
+        if isa not in emulated_isas():
+            raise ValueError(f"the test-only CPU kernel variant {isa!r} does not run here (it needs AVX2)")
+        torch.ops.qfp8._cpu_set_isa(isa)
+        return
     usable = usable_isas()
     if isa not in usable:
         why = "was not compiled into this build" if isa not in compiled_isas() else "is not supported by this CPU"
@@ -205,9 +224,9 @@ def _self_check_cases():
     """(x, weight, scale, bias, input_scale, block_size, activation, fp8 dtype) reaching every kernel path.
 
     Each FP8 format x each scale kind (tensor, channel, block with an even
-    and an odd k block) runs M = 1 (the streamed row), M = 3 (rows from
-    registers) and M = 9 (the converted panel, one full 6-row block and a
-    tail); the activation modes and the dtype of x cycle with periods (7 and
+    and an odd k block) runs M = 1 (the streamed row), M = 3 (a few rows at
+    once) and M = 9 (the converted panel: one full register block of rows
+    and a tail, for 6- and 8-row blocks alike); the activation modes and the dtype of x cycle with periods (7 and
     4) prime to the 3 of M, so that every mode meets every M. N and K have
     tails.
     """

@@ -24,12 +24,12 @@ SHAPES = [(1, 1, 1), (1, 7, 17), (3, 17, 7), (2, 33, 577), (4, 40, 130), (7, 577
 
 
 def _isa_param(isa):
-    usable = cpu.usable_isas()
+    usable = cpu.usable_isas() + cpu.emulated_isas()  # avx512emu: the AVX512 kernel's code on AVX2
     reason = f"this CPU or build does not run the {isa} kernel (usable here: {usable})"
     return pytest.param(isa, id=isa, marks=pytest.mark.skipif(isa not in usable, reason=reason))
 
 
-ISA_PARAMS = [_isa_param(isa) for isa in cpu.ISAS]
+ISA_PARAMS = [_isa_param(isa) for isa in cpu.ISAS + cpu.EMULATED_ISAS]
 
 
 @pytest.fixture(params=ISA_PARAMS)

@@ -13,12 +13,12 @@ pytestmark = pytest.mark.skipif(cpu.cpu_kernel_isa() is None, reason="the qfp8 C
 
 
 def _isa_param(isa):
-    usable = cpu.usable_isas()
+    usable = cpu.usable_isas() + cpu.emulated_isas()  # avx512emu: the AVX512 kernel's code on AVX2
     reason = f"this CPU or build does not run the {isa} kernel (usable here: {usable})"
     return pytest.param(isa, id=isa, marks=pytest.mark.skipif(isa not in usable, reason=reason))
 
 
-@pytest.mark.parametrize("isa", [_isa_param(isa) for isa in cpu.ISAS])
+@pytest.mark.parametrize("isa", [_isa_param(isa) for isa in cpu.ISAS + cpu.EMULATED_ISAS])
 def test_every_usable_variant_passes_and_the_selection_is_restored(isa):
     before = cpu.cpu_kernel_isa()
     assert cpu.verify_cpu_kernel_isa(isa) is None
@@ -110,3 +110,10 @@ def test_a_fresh_import_verifies_the_best_variant_without_a_warning():
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", cpu.usable_isas()[0]]
     assert "disagrees" not in result.stderr
+
+
+def test_the_emulated_avx512_variant_is_never_chosen_automatically():
+    assert not set(cpu.EMULATED_ISAS) & set(cpu.usable_isas() + cpu.compiled_isas())
+    assert cpu.cpu_kernel_isa() in cpu.usable_isas()
+    with pytest.raises(ValueError, match="unknown CPU kernel ISA"):
+        cpu.set_cpu_kernel_isa("avx512emu2")

@@ -56,6 +56,8 @@ void linear_tiles_scalar(const LinearProblem& p, int64_t tile_begin, int64_t til
 void linear_tiles_avx2(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 void linear_tiles_avx512(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 void linear_tiles_avx512bf16(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
+// The AVX512 kernel's code on AVX2 (kernel_avx512emu.cpp): for tests only, never dispatched to.
+void linear_tiles_avx512emu(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 
 // ------------------------------------------------------------ decode attention
 // One query token per sequence against an FP8 K/V cache, grouped-query
