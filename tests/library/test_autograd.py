@@ -1,0 +1,92 @@
+"""Backward through the linear ops (qfp8/library/autograd.py): x and bias get gradients, the FP8 weights none."""
+
+import pytest
+import torch
+from torch import nn
+
+import qfp8
+from qfp8 import formats
+from qfp8.library import cpu
+from qfp8.library.testing import opcheck
+
+N, K = 40, 33
+
+
+def _layer(granularity, block_size=(16, 8)):
+    w = torch.randn(N, K) * torch.rand(N, 1).add(0.1)
+    q, scale = formats.quantize_weight(w, torch.float8_e4m3fn, granularity, block_size)
+    return q, scale, (list(block_size) if granularity == "block" else [])
+
+
+def _ops(q, block_size):
+    """name -> (op, weight argument, the op's arguments after input_scale) for every linear op."""
+    ops = {"reference": (torch.ops.qfp8.scaled_linear, q, (block_size,))}
+    if cpu.cpu_kernel_isa() is not None:
+        ops["cpu"] = (torch.ops.qfp8.scaled_linear_cpu, torch.ops.qfp8.pack_weight_cpu(q), (N, K, block_size))
+    # The CUDA routes' CPU implementations (emulations with the same contract).
+    ops["cuda-marlin"] = (torch.ops.qfp8.scaled_linear_cuda, torch.ops.qfp8.pack_weight_cuda(q), (N, K, block_size))
+    if not block_size:
+        ops["cuda-scaled-mm"] = (torch.ops.qfp8.scaled_mm_linear, torch.ops.qfp8.pack_weight_scaled_mm(q), (N, K))
+    return ops
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("activation", ["none", "token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["x-f32", "x-bf16"])
+def test_grad_x_and_bias_match_float64(granularity, activation, dtype):
+    q, scale, block_size = _layer(granularity)
+    w = formats.dequantize_weight(q, scale, block_size or None).double()
+    x0 = torch.randn(2, 3, K).to(dtype)
+    grad_y = torch.randn(2, 3, N).to(dtype)
+    # Straight-through: the gradient of x @ W^T + b with W the dequantized weight.
+    want_x = (grad_y.double().reshape(-1, N) @ w).reshape(2, 3, K)
+    want_bias = grad_y.double().reshape(-1, N).sum(0)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, (op, weight, tail) in _ops(q, block_size).items():
+        if name == "cuda-scaled-mm" and activation == "none":
+            continue  # _scaled_mm takes FP8 activations only
+        x = x0.clone().requires_grad_()
+        bias = torch.randn(N).to(dtype).requires_grad_()
+        y = op(x, weight, scale, bias, None, *tail, activation, torch.float8_e4m3fn)
+        y.backward(grad_y)
+        for got, want, what in ((x.grad, want_x, "x"), (bias.grad, want_bias, "bias")):
+            assert got is not None and got.dtype == dtype, f"{name}: no {dtype} gradient for {what}"
+            error = (got.double() - want).norm() / want.norm()
+            assert error < tolerance, f"{name}: {what} gradient relative error {error:.3g}"
+
+
+def test_no_gradient_is_asked_for_the_weight_or_scales():
+    q, scale, block_size = _layer("channel")
+    x = torch.randn(3, K, requires_grad=True)
+    for name, (op, weight, tail) in _ops(q, block_size).items():
+        y = op(x, weight, scale, None, None, *tail, "token", torch.float8_e4m3fn)
+        (grad_x,) = torch.autograd.grad(y.sum(), x)
+        assert torch.isfinite(grad_x).all() and grad_x.abs().sum() > 0, name
+
+
+def test_opcheck_autograd_registration():
+    q, scale, block_size = _layer("channel")
+    x = torch.randn(3, K, requires_grad=True)
+    for op, weight, tail in _ops(q, block_size).values():
+        opcheck(op, (x, weight, scale, None, None, *tail, "token", torch.float8_e4m3fn))
+
+
+def test_quantized_model_backward_reaches_the_input_eager_and_compiled():
+    """A residual block: without the formula the linear's share of x.grad was silently dropped."""
+    torch.manual_seed(0)
+    lin = nn.Linear(K, K)
+    model = nn.Sequential(lin)
+    qfp8.quantize(model)
+    w = model[0].weight.dequantize().double()
+
+    def run(fn):
+        x = torch.randn(4, K, requires_grad=True)
+        (fn(x) + x).pow(2).sum().backward()
+        y = x.detach().double() @ w.t() + model[0].bias.double()
+        grad_y = 2 * (y + x.detach().double())
+        return x.grad, grad_y @ w + grad_y
+
+    for fn in (model, torch.compile(model, fullgraph=True)):
+        got, want = run(fn)
+        error = (got.double() - want).norm() / want.norm()
+        assert error < 1e-4, f"x.grad relative error {error:.3g}"
