@@ -413,6 +413,8 @@ def _supports(request: KernelRequest) -> str | None:
         return f"weight dtype {request.weight_dtype} is not FP8"
     if request.activation not in ACTIVATION_MODES:
         return f"activation mode {request.activation!r} is not supported"
+    if request.x_dtype is not None and request.x_dtype not in formats.FLOAT_DTYPES:
+        return f"activations in {request.x_dtype}: the CPU kernel takes float32, bfloat16 and float16"
     if request.granularity == "block" and len(request.block_size) != 2:
         return f"block scales need block_size [bn, bk], got {request.block_size}"
     return None

@@ -387,6 +387,8 @@ def _scaled_mm_reason(request: KernelRequest, padded: bool) -> str | None:
     reason = _common_reason(request, SCALED_MM_MIN_CAPABILITY)
     if reason is not None:
         return reason
+    if request.x_dtype is not None and request.x_dtype not in formats.FLOAT_DTYPES:
+        return f"activations in {request.x_dtype}: _scaled_mm writes float32, bfloat16 or float16"
     if request.activation not in ("token", "token-mse", "tensor", "static"):
         return f"activation {request.activation!r}: _scaled_mm takes per-token or per-tensor FP8 activations"
     if request.granularity not in ("tensor", "channel"):

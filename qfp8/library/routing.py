@@ -33,6 +33,7 @@ class KernelRequest:
     activation_dtype: torch.dtype
     out_features: int
     in_features: int
+    x_dtype: torch.dtype | None = None  # the layer's activation dtype (None: not known)
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,7 @@ class QLinear(nn.Module):
             activation_dtype=self.scheme.activation_dtype,
             out_features=self.out_features,
             in_features=self.in_features,
+            x_dtype=self.orig_dtype,
         )
 
     def _use_kernel(self, kernel) -> None:
@@ -343,8 +344,11 @@ class QLinear(nn.Module):
             after = getattr(self, name)
             if before is not None and after is not None and after.dtype != before.dtype:
                 setattr(self, name, before.to(after.device))
-        if self.bias is not None:
-            self.orig_dtype = self.bias.dtype
+        # The layer's compute dtype follows the model's (model.double(),
+        # .half(), .to(dtype)), with or without a bias to show it; the kernel
+        # is chosen again for it (a float64 layer takes the reference route).
+        probe = torch.empty(0, dtype=self.orig_dtype, device=self.weight_scale.device)
+        self.orig_dtype = fn(probe).dtype if self.bias is None else self.bias.dtype
         self.pack_for_device()
         return self
 

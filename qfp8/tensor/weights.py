@@ -87,6 +87,7 @@ class Float8WeightTensor(Float8Tensor):
             activation_dtype=activation_dtype or formats.activation_dtype_for(self.fp8_dtype),
             out_features=self.out_features,
             in_features=self.in_features,
+            x_dtype=self.orig_dtype,
         )
 
     def _with(self, **changes) -> Float8WeightTensor:

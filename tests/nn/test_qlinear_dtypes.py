@@ -1,0 +1,42 @@
+"""A quantized layer follows the model's dtype: float64 takes the reference route, float32/bf16/fp16 the kernel."""
+
+import torch
+from torch import nn
+
+import qfp8
+from qfp8 import formats
+from qfp8.library import cpu
+
+
+def _reference(layer, x):
+    w = layer.weight.dequantize(torch.float64)
+    return x.double() @ w.t() + (0 if layer.bias is None else layer.bias.double())
+
+
+def test_float64_model_is_quantized_onto_the_reference_route_and_runs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 24), nn.Linear(24, 8, bias=False)).double()
+    _, report = qfp8.quantize(model)
+    x = torch.randn(5, 48, dtype=torch.float64)
+    y = model(x)
+    assert y.dtype == torch.float64
+    assert model[0].packing == "reference" and "float64" in " ".join(model[0].kernel_notes)
+    want = _reference(model[1], _reference(model[0], x))
+    assert formats.sqnr(want, y) > 60  # W8A16: only the weights are rounded, and want uses the same weights
+
+
+def test_model_dtype_changes_after_quantize_reroute_each_layer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 24), nn.Linear(24, 8, bias=False))
+    qfp8.quantize(model)
+    kernel = model[0].packing
+    x = torch.randn(5, 48)
+    for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.float32):
+        model.to(dtype)
+        assert [layer.orig_dtype for layer in model] == [dtype, dtype]  # the bias-free layer too
+        y = model(x.to(dtype))
+        assert y.dtype == dtype and torch.isfinite(y).all()
+        expected = "reference" if dtype == torch.float64 or cpu.cpu_kernel_isa() is None else kernel
+        assert {layer.packing for layer in model} == {expected}
+        want = _reference(model[1], _reference(model[0], x.to(dtype)))
+        assert formats.sqnr(want, y) > {torch.float64: 60, torch.float32: 60}.get(dtype, 35)
