@@ -168,6 +168,21 @@ def _(func, types, args, kwargs):
     return w._with(transposed=not w.transposed)
 
 
+@Float8WeightTensor.implements(
+    torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.permute, torch.permute, aten.permute.default
+)
+def _(func, types, args, kwargs):
+    # w.T, w.mT and w.permute(1, 0) are w.t() for a 2-D weight.
+    w = args[0]
+    dims = args[1:] if len(args) > 1 else kwargs.get("dims", (1, 0))
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = dims[0]
+    dims = [d % 2 for d in dims]
+    if dims not in ([0, 1], [1, 0]):
+        raise ValueError(f"permute of a 2-D FP8 weight takes dims (0, 1) or (1, 0), got {tuple(args[1:])}")
+    return w if dims == [0, 1] else w._with(transposed=not w.transposed)
+
+
 @Float8WeightTensor.implements(torch.Tensor.detach, aten.detach.default, aten.alias.default)
 def _(func, types, args, kwargs):
     w = args[0]

@@ -22,6 +22,18 @@ def test_linear_matmul_addmm_route_to_kernel(weight, granularity):
     assert torch.equal(torch.addmm(bias, x, w.t()), F.linear(x, w, bias))
 
 
+def test_T_mT_and_permute_are_the_transpose(weight):
+    w = Float8WeightTensor.from_float(weight.float())
+    x = torch.randn(3, 80)
+    want = x @ w.t()
+    for transposed in (w.T, w.mT, w.permute(1, 0), torch.permute(w, (1, 0)), w.permute(-1, -2)):
+        assert transposed.transposed and transposed.shape == (80, 48)
+        assert torch.equal(x @ transposed, want)
+    assert not w.T.T.transposed and not w.permute(0, 1).transposed
+    with pytest.raises(ValueError, match="dims"):
+        w.permute(0, 0)
+
+
 def test_matmul_with_untransposed_weight_is_explicit_dequantize(weight):
     w = Float8WeightTensor.from_float(weight.float())
     x = torch.randn(2, 48)
