@@ -375,15 +375,41 @@ class QLinear(nn.Module):
             )
         ):
             buffers = state["_buffers"]
-            return fast(
-                args[0],
-                buffers["qweight"],
-                buffers["weight_scale"],
-                state["_parameters"]["bias"],
-                buffers["input_scale"],
-                *state["_extra_args"],
-            )
+            try:
+                return fast(
+                    args[0],
+                    buffers["qweight"],
+                    buffers["weight_scale"],
+                    state["_parameters"]["bias"],
+                    buffers["input_scale"],
+                    *state["_extra_args"],
+                )
+            except RuntimeError as error:
+                problem = self._input_error(args[0])
+                if problem is None:
+                    raise
+                raise problem from error
         return super().__call__(*args, **kwargs)
+
+    def _input_error(self, x) -> Exception | None:
+        """The ValueError / TypeError for an input the layer cannot take, or None if the input is not the cause."""
+        layer = f"QLinear({self.extra_repr()})"
+        if not isinstance(x, torch.Tensor):
+            return TypeError(f"{layer}: the input must be a tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            return TypeError(f"{layer}: the input must be a floating-point tensor, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            return ValueError(
+                f"{layer}: the input has shape {tuple(x.shape)}, its last dimension must be {self.in_features}"
+            )
+        if x.device != self.qweight.device and x.device.type != "meta":
+            return ValueError(f"{layer}: the input is on {x.device}, the layer's weights on {self.qweight.device}")
+        if x.dtype not in formats.FLOAT_DTYPES and self.packing != "reference":
+            return TypeError(
+                f"{layer}: the input is {x.dtype}; the {self.packing} kernel takes float32, bfloat16 or float16 "
+                f"(for {x.dtype} convert the model too: model.to({x.dtype}) puts its layers on the reference route)"
+            )
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.calibrating:
@@ -395,14 +421,20 @@ class QLinear(nn.Module):
         # Buffers read from their dicts directly: nn.Module.__getattr__ costs
         # about a microsecond per lookup, a sizeable part of a small M=1 layer.
         buffers = self._buffers
-        return self._op(
-            x,
-            buffers["qweight"],
-            buffers["weight_scale"],
-            self._parameters["bias"],
-            buffers["input_scale"],
-            *self._extra_args,
-        )
+        try:
+            return self._op(
+                x,
+                buffers["qweight"],
+                buffers["weight_scale"],
+                self._parameters["bias"],
+                buffers["input_scale"],
+                *self._extra_args,
+            )
+        except RuntimeError as error:
+            problem = self._input_error(x)
+            if problem is None:
+                raise
+            raise problem from error
 
     def _calibration_forward(self, x: torch.Tensor) -> torch.Tensor:
         # The running maximum of every batch seen so far sets the scale used

@@ -1,5 +1,6 @@
 """A quantized layer follows the model's dtype: float64 takes the reference route, float32/bf16/fp16 the kernel."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -40,3 +41,21 @@ def test_model_dtype_changes_after_quantize_reroute_each_layer():
         assert {layer.packing for layer in model} == {expected}
         want = _reference(model[1], _reference(model[0], x.to(dtype)))
         assert formats.sqnr(want, y) > {torch.float64: 60, torch.float32: 60}.get(dtype, 35)
+
+
+@pytest.mark.parametrize("path", ["fast", "regular"])
+def test_bad_inputs_raise_errors_naming_the_layer(path):
+    model = nn.Sequential(nn.Linear(16, 8))
+    qfp8.quantize(model)
+    if path == "regular":  # a hook sends calls through nn.Module.__call__ and forward
+        model[0].register_forward_hook(lambda *args: None)
+    cases = [
+        (torch.randn(3, 15), ValueError, r"QLinear\(in_features=16, out_features=8.*shape \(3, 15\).* must be 16"),
+        (torch.randn(()), ValueError, r"shape \(\).* must be 16"),
+        (torch.randint(0, 5, (3, 16)), TypeError, "floating-point tensor, got torch.int64"),
+    ]
+    if model[0].packing != "reference":
+        cases.append((torch.randn(3, 16, dtype=torch.float64), TypeError, "float64.*model.to"))
+    for x, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            model(x)
