@@ -281,11 +281,23 @@ class QLinear(nn.Module):
     _UNPICKLED = ("_fast", "_fast_op", "_op", "_kernel_op", "_eager_op")
 
     def __getstate__(self):
-        return {key: value for key, value in super().__getstate__().items() if key not in self._UNPICKLED}
+        state = {key: value for key, value in super().__getstate__().items() if key not in self._UNPICKLED}
+        # torch's pickling of a float8 tensor cannot be unpickled (the storage
+        # is rebuilt through a dtype lookup float8 lacks), so FP8 buffers
+        # travel as uint8 views of the same bytes and are viewed back on load.
+        buffers = dict(state["_buffers"])
+        fp8 = {}
+        for name, t in buffers.items():
+            if t is not None and t.dtype in formats.FP8_DTYPES.values():
+                buffers[name], fp8[name] = t.view(torch.uint8), t.dtype
+        state["_buffers"], state["_fp8_buffers"] = buffers, fp8
+        return state
 
     def __setstate__(self, state):
         # Unpickling and copy.deepcopy: the module's dicts are watched again,
         # by this module, and its op bound again.
+        for name, dtype in state.pop("_fp8_buffers", {}).items():
+            state["_buffers"][name] = state["_buffers"][name].view(dtype)
         super().__setstate__(state)
         self._watch()
         self._use_kernel(kernel_by_name(self.packing))

@@ -133,3 +133,21 @@ def test_compile_fullgraph_two_layer_mlp_matches_eager(activations):
     compiled = torch.compile(model, fullgraph=True)
     eager = model(x)
     assert torch.allclose(compiled(x), eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activations", [None, "dynamic", "static"])
+def test_plain_pickle_round_trip(activations):
+    """pickle (multiprocessing, joblib) of a quantized model; torch cannot unpickle a bare float8 tensor."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 8, bias=False))
+    qfp8.quantize(model, activations=activations)
+    x = torch.randn(3, 16)
+    if activations == "static":
+        with qfp8.calibrate(model):
+            model(x)
+    copy_ = pickle.loads(pickle.dumps(model))
+    assert [m.qweight.dtype for m in copy_] == [m.qweight.dtype for m in model]
+    assert [m.packing for m in copy_] == [m.packing for m in model]
+    assert torch.equal(copy_(x), model(x))
