@@ -38,7 +38,7 @@ WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
 ACTIVATION_GRANULARITIES = ("tensor", "token", "group", "token-mse")
 # "token-mse" candidates: amax / fmax times these float32 factors, 2^(j/16).
 # None is below 1, so no candidate clips the row's largest value.
-TOKEN_MSE_FACTORS = tuple(float(torch.tensor(2.0 ** (j / 16), dtype=torch.float32)) for j in range(16))
+TOKEN_MSE_FACTORS = tuple(float(torch.tensor(2.0 ** (j / 16), dtype=torch.float32, device="cpu")) for j in range(16))
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -73,7 +73,7 @@ def dequantize_table(dtype: torch.dtype) -> torch.Tensor:
     """The 256 float32 values of an FP8 dtype, indexed by the code's bits."""
     table = _DEQUANT_TABLES.get(dtype)
     if table is None:
-        table = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32)
+        table = torch.arange(256, dtype=torch.uint8, device="cpu").view(dtype).to(torch.float32)
         _DEQUANT_TABLES[dtype] = table
     return table
 

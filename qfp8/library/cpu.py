@@ -232,17 +232,20 @@ def _self_check_cases():
     """
     generator = torch.Generator().manual_seed(20261130)
     n, k = 45, 37
+    # Explicit device and dtype: the check runs at import, under whatever
+    # torch.set_default_device / set_default_dtype the user has set.
+    cpu32 = {"device": "cpu", "dtype": torch.float32, "generator": generator}
     granularities = (("tensor", ()), ("channel", ()), ("block", (16, 10)), ("block", (16, 5)))
     activations = ("none", "token", "static", "none", "tensor", "token-mse", "group")
     x_dtypes = (torch.float32, torch.bfloat16, torch.float32, torch.float16)
     cases, turn = [], 0
     for dtype in formats.FP8_DTYPES.values():
         for granularity, block_size in granularities:
-            w = torch.randn(n, k, generator=generator) * torch.rand(n, 1, generator=generator).add(0.1)
+            w = torch.randn(n, k, **cpu32) * torch.rand(n, 1, **cpu32).add(0.1)
             q, scale = formats.quantize_weight(w, dtype, granularity, block_size or formats.DEFAULT_BLOCK_SIZE)
-            bias = torch.randn(n, generator=generator) if turn % 2 else None
+            bias = torch.randn(n, **cpu32) if turn % 2 else None
             for m in (1, 3, 9):
-                x = torch.randn(m, k, generator=generator).to(x_dtypes[turn % len(x_dtypes)])
+                x = torch.randn(m, k, **cpu32).to(x_dtypes[turn % len(x_dtypes)])
                 input_scale = formats.scale_from_amax(x.float().abs().amax().reshape(1), dtype)
                 activation = activations[turn % len(activations)]
                 cases.append((x, q, scale, bias, input_scale, list(block_size), activation, dtype))

@@ -117,3 +117,19 @@ def test_the_emulated_avx512_variant_is_never_chosen_automatically():
     assert cpu.cpu_kernel_isa() in cpu.usable_isas()
     with pytest.raises(ValueError, match="unknown CPU kernel ISA"):
         cpu.set_cpu_kernel_isa("avx512emu2")
+
+
+@pytest.mark.parametrize("defaults", ["torch.set_default_dtype(torch.float64)", "torch.set_default_device('meta')"])
+def test_import_under_user_defaults_keeps_the_kernel(defaults):
+    """The check (and the module-level tables) make their own CPU float32 tensors, whatever the defaults."""
+    code = (
+        f"import torch; {defaults}\n"
+        "import warnings; warnings.simplefilter('always')\n"
+        "import qfp8\n"
+        "from qfp8 import formats\n"
+        "from qfp8.library import cpu\n"
+        "print(cpu.KERNEL_VERIFIED, cpu.cpu_kernel_isa(), formats.dequantize_table(torch.float8_e4m3fn).device)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", cpu.usable_isas()[0], "cpu"]
