@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -14,6 +15,25 @@ from qfp8 import formats, rounding
 from qfp8.nn import QLinear, QuantizationScheme
 
 KV_CACHE_DTYPES = (None, "float8_e4m3fn", "float8_e5m2")
+# The default ``exclude``: by identity, a model without ``lm_head`` gets no
+# "pattern matches nothing" warning for it (a user-given pattern does).
+DEFAULT_EXCLUDE = ("lm_head",)
+# A Linear's hook dicts that move, as they are, to the QLinear that replaces it:
+# the same dict objects, so the RemovableHandles already given out still
+# remove the hooks. Each main dict comes with the dicts its handles also name.
+_CARRIED_HOOKS = {
+    "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
+    "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
+    "_backward_pre_hooks": (),
+    "_backward_hooks": ("_is_full_backward_hook",),
+}
+# State-dict hooks are not carried: a QLinear's state dict has other keys.
+_DROPPED_HOOKS = (
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 @dataclass
@@ -94,6 +114,42 @@ def _skip_reason(module: nn.Linear) -> str | None:
     return None
 
 
+def _tied_float_holders(model: nn.Module, quantized: list[nn.Module]) -> dict[int, list[str]]:
+    """For each Linear of ``quantized`` whose weight Parameter another, unquantized module also holds
+    (a tied ``lm_head`` and its embedding): ``id(linear) -> [that module's name, ...]``."""
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append((name or type(model).__name__, module))
+    quantized_ids = {id(m) for m in quantized}
+    tied = {}
+    for linear in quantized:
+        others = [name for name, module in holders.get(id(linear.weight), []) if id(module) not in quantized_ids]
+        if others:
+            tied[id(linear)] = others
+    return tied
+
+
+def _carry_hooks(linear: nn.Linear, qlinear: QLinear, name: str) -> None:
+    """Moves ``linear``'s forward and backward hooks to ``qlinear`` (the same dict objects).
+
+    A QLinear holding a Linear's plain hook dict instead of its own watched
+    one never takes the fast path (see ``QLinear._arm``): the hooks always run.
+    """
+    for main, companions in _CARRIED_HOOKS.items():
+        if getattr(linear, main):
+            for attr in (main, *companions):
+                qlinear.__dict__[attr] = linear.__dict__[attr]
+    qlinear.__dict__["_fast"] = None
+    dropped = sum(len(getattr(linear, attr)) for attr in _DROPPED_HOOKS)
+    if dropped:
+        warnings.warn(
+            f"quantize: module {name!r} had {dropped} state-dict hook(s) registered on its nn.Linear; the QLinear "
+            "replacing it does not keep them (its state dict holds FP8 weight, weight_scale: other keys)",
+            stacklevel=3,
+        )
+
+
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -107,7 +163,7 @@ def quantize(
     activations: str | None = None,
     activation_scale: str = "token",
     kv_cache: str | None = None,
-    exclude=("lm_head",),
+    exclude=DEFAULT_EXCLUDE,
     block_size=formats.DEFAULT_BLOCK_SIZE,
     accuracy: str | None = None,
 ) -> QuantizeResult:
@@ -129,6 +185,12 @@ def quantize(
     squared rounding error, found at run time by qfp8's kernels (see
     :func:`qfp8.formats.token_mse_scale`). Saved checkpoints stay dynamic
     per-token ones: vLLM computes ``amax / fmax`` for them, qfp8 searches.
+    ``exclude``: fnmatch patterns on a Linear's full dotted name or its tail
+    (None: none); a pattern you give that matches no ``nn.Linear`` is warned
+    about. A Linear whose weight is the same Parameter as that of a module
+    kept in float (a tied ``lm_head`` and its embedding) stays in float, with
+    a warning. Hooks registered on a Linear move to its QLinear. A refused
+    call (ValueError) leaves the model as it was.
     Returns ``(model, report)``.
     """
     if not isinstance(model, nn.Module):
@@ -144,7 +206,10 @@ def quantize(
         return QuantizeResult(model, QuantizeReport())
     scheme = QuantizationScheme.from_args(weights, weight_scale, activations, activation_scale, block_size)
     rounding.check_mode(accuracy)
-    if isinstance(exclude, str):
+    user_patterns = exclude is not DEFAULT_EXCLUDE
+    if exclude is None:
+        exclude = ()
+    elif isinstance(exclude, str):
         exclude = (exclude,)
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, QLinear):
@@ -152,12 +217,25 @@ def quantize(
                 f"model is already quantized (module {name or type(model).__name__!r} is a QLinear); "
                 "quantize a float model once"
             )
+    if kv_cache is not None:
+        from qfp8.nn.kv_cache import attention_modules
+
+        # enable_fp8_kv_cache refuses such a model too, but only after the
+        # Linears were swapped: check first so that a refusal changes nothing.
+        if not attention_modules(model):
+            raise ValueError(
+                f"quantize: kv_cache={kv_cache!r} needs Llama-family attention modules (with layer_idx, k_proj, "
+                f"v_proj, head_dim and a forward taking `cache`); {type(model).__name__} has none. "
+                "Pass kv_cache=None to quantize its weights only"
+            )
 
     report = QuantizeReport()
     planned: dict[int, ReportEntry] = {}
+    linear_names = []
     for name, module in model.named_modules(remove_duplicate=False):
         if not isinstance(module, nn.Linear):
             continue
+        linear_names.append(name)
         if id(module) in planned:  # a shared submodule: one QLinear for all its names
             planned[id(module)].aliases.append(name)
             continue
@@ -168,9 +246,52 @@ def quantize(
         planned[id(module)] = entry
         report.entries.append(entry)
 
+    # A Linear tied to a module kept in float (an lm_head and its embedding)
+    # stays in float: quantizing it would replace the shared Parameter by an
+    # FP8 copy, breaking the tie and any checkpoint saved from the model.
+    modules = dict(model.named_modules(remove_duplicate=False))
+    notes = []
+    tied = _tied_float_holders(model, [modules[entry.name] for entry in report.quantized])
+    for entry in report.quantized:
+        others = tied.get(id(modules[entry.name]))
+        if others:
+            entry.quantized = False
+            entry.reason = f"weight tied to {', '.join(others)} (kept in float)"
+            notes.append(
+                f"quantize: {entry.name!r} is kept in float: its weight is the same Parameter as that of "
+                f"{', '.join(map(repr, others))}, which stays in float (tied weights, e.g. tie_word_embeddings); "
+                "to quantize it, give it its own copy of the weight first"
+            )
+    if user_patterns:
+        for pattern in exclude:
+            if not any(_excluded_by(name, (pattern,)) for name in linear_names):
+                notes.append(
+                    f"quantize: exclude pattern {pattern!r} matches no nn.Linear of {type(model).__name__}, so it "
+                    "excludes nothing (a pattern matches a Linear's full dotted name or its tail, e.g. 'lm_head' "
+                    "or 'model.layers.0.*')"
+                )
+    all_excluded = user_patterns and all(e.reason.startswith("excluded by pattern") for e in report.entries)
+    if not report.quantized and not (report.entries and all_excluded):
+        why = (
+            f"every nn.Linear of it was skipped ({len(report.entries)}; the report says why)"
+            if report.entries
+            else "it has no nn.Linear"
+        )
+        others = sorted(
+            {
+                type(m).__name__
+                for m in model.modules()
+                if not isinstance(m, (nn.Linear, nn.Embedding))
+                and isinstance(getattr(m, "weight", None), torch.Tensor)
+                and m.weight.dim() >= 2
+            }
+        )
+        if others:  # GPT-2's Conv1D, for one
+            why += f"; {', '.join(others)} layers have weights but qfp8 quantizes nn.Linear only"
+        notes.append(f"quantize: nothing was quantized in {type(model).__name__}: {why}")
+
     # Validate every weight before changing anything: a refused weight
     # leaves the model as it was.
-    modules = dict(model.named_modules(remove_duplicate=False))
     for entry in report.quantized:
         weight = modules[entry.name].weight
         if not torch.isfinite(weight).all():
@@ -178,9 +299,12 @@ def quantize(
                 f"module {entry.name!r}: weight {list(weight.shape)} holds NaN/Inf values, which FP8 cannot "
                 f"represent; fix the weight or pass exclude=[{entry.name!r}]"
             )
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
 
     for entry in report.quantized:
         qlinear = QLinear.from_linear(modules[entry.name], scheme, entry.name, accuracy=accuracy)
+        _carry_hooks(modules[entry.name], qlinear, entry.name)
         entry.scheme = scheme.describe() + (f" accuracy-{accuracy}" if accuracy else "")
         entry.kernel = qlinear.packing
         for name in [entry.name, *entry.aliases]:

@@ -1,0 +1,151 @@
+"""quantize: refusals leave the model untouched; what it cannot do as asked is said, never silent."""
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import qfp8
+from qfp8 import QLinear
+
+
+def tiny_llama(tie=False) -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def quantize_quietly(model, **kwargs):
+    """quantize, failing the test on any warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return qfp8.quantize(model, **kwargs)
+
+
+def state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}, [type(m) for m in model.modules()]
+
+
+# -------------------------------------------------------------- refusals
+def test_refused_kv_cache_leaves_the_model_untouched_and_a_retry_works():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    before, types = state(model)
+    with pytest.raises(ValueError, match="Llama-family attention") as refused:
+        qfp8.quantize(model, kv_cache="float8_e4m3fn")
+    after, types_after = state(model)
+    assert types_after == types and not hasattr(model, "qfp8_scheme")
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert "kv_cache='float8_e4m3fn'" in str(refused.value) and "Sequential has none" in str(refused.value)
+    _, report = quantize_quietly(model)
+    assert len(report.quantized) == 2 and isinstance(model[0], QLinear)
+
+
+# ------------------------------------------------------------ tied weights
+def test_tied_lm_head_stays_float_with_one_warning_and_the_checkpoint_loads(tmp_path):
+    model = tiny_llama(tie=True)
+    ids = torch.randint(0, 256, (1, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, report = qfp8.quantize(model, exclude=())
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert "'lm_head' is kept in float" in messages[0] and "'model.embed_tokens'" in messages[0]
+    entry = {e.name: e for e in report.entries}["lm_head"]
+    assert not entry.quantized and entry.reason == "weight tied to model.embed_tokens (kept in float)"
+    assert "lm_head" in str(report) and "7 quantized, 1 skipped" in str(report)
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
+    qfp8.save_pretrained(model, tmp_path)
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_linears_sharing_a_weight_with_each_other_are_still_quantized():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    model[1].weight = model[0].weight
+    _, report = quantize_quietly(model)
+    assert len(report.quantized) == 2
+
+
+def test_a_linear_tied_to_an_excluded_linear_stays_float():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+    model[1].weight = model[0].weight
+    with pytest.warns(UserWarning, match=r"'1' is kept in float.*same Parameter as that of '0'"):
+        _, report = qfp8.quantize(model, exclude=("0",))
+    assert [e.name for e in report.quantized] == ["2"] and type(model[1]) is nn.Linear
+
+
+# ---------------------------------------------------------------- exclude
+def test_exclude_pattern_matching_nothing_warns_once_naming_it():
+    model = tiny_llama()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, report = qfp8.quantize(model, exclude=("lm_haed", "*.q_proj"))
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "exclude pattern 'lm_haed' matches no nn.Linear of LlamaForCausalLM" in messages[0]
+    assert {e.name for e in report.skipped} == {"model.layers.0.self_attn.q_proj"}
+
+
+def test_default_exclude_does_not_warn_without_lm_head_and_none_excludes_nothing():
+    _, report = quantize_quietly(nn.Sequential(nn.Linear(16, 16)))
+    assert len(report.quantized) == 1
+    _, report = quantize_quietly(tiny_llama(), exclude=None)
+    assert not report.skipped and len(report.quantized) == 8
+
+
+# ------------------------------------------------------------------ hooks
+def test_hooks_move_to_the_qlinear_and_their_handles_still_remove_them():
+    calls = []
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8))
+    handles = [
+        model[0].register_forward_pre_hook(lambda m, args: calls.append("pre")),
+        model[0].register_forward_pre_hook(lambda m, args, kwargs: calls.append("pre-kw"), with_kwargs=True),
+        model[0].register_forward_hook(lambda m, args, out: calls.append(("post", type(m).__name__))),
+        model[0].register_forward_hook(
+            lambda m, args, kwargs, out: calls.append("post-kw"), with_kwargs=True, always_call=True
+        ),
+    ]
+    x = torch.randn(2, 16)
+    quantize_quietly(model)
+    assert isinstance(model[0], QLinear)
+    for _ in range(2):  # the second call would take the fast path if the hooks were not seen
+        calls.clear()
+        model(x)
+        assert calls == ["pre", "pre-kw", ("post", "QLinear"), "post-kw"]
+    for handle in handles:
+        handle.remove()
+    calls.clear()
+    out = model(x)
+    assert calls == [] and not model[0]._forward_hooks and not model[0]._forward_hooks_always_called
+    assert torch.equal(out, model[1](model[0](x)))
+
+
+def test_state_dict_hooks_are_dropped_with_a_warning():
+    model = nn.Sequential(nn.Linear(16, 8))
+    model[0]._register_state_dict_hook(lambda module, state_dict, prefix, local_metadata: None)
+    with pytest.warns(UserWarning, match=r"module '0' had 1 state-dict hook"):
+        qfp8.quantize(model)
+
+
+# ------------------------------------------------------- nothing to quantize
+def test_nothing_quantized_warns_naming_the_model_class():
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    with pytest.warns(UserWarning, match=r"nothing was quantized in GPT2LMHeadModel.*Conv1D"):
+        _, report = qfp8.quantize(model)
+    assert not report.quantized
+    with pytest.warns(UserWarning, match=r"nothing was quantized in Sequential: it has no nn.Linear"):
+        qfp8.quantize(nn.Sequential(nn.ReLU()))
+
+
+def test_everything_excluded_by_the_user_does_not_warn():
+    _, report = quantize_quietly(nn.Sequential(nn.Linear(16, 16)), exclude=("0",))
+    assert not report.quantized
