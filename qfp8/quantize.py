@@ -352,19 +352,23 @@ def calibrate(model: nn.Module):
             module.end_calibration()
 
 
+def check_calibrated(model: nn.Module, caller: str) -> None:
+    """RuntimeError naming the layers that still wait for calibration (static scales, an accuracy mode)."""
+    pending = [name for name, module in _qlinears(model).items() if not module.is_calibrated or module.accuracy_pending]
+    if pending:
+        shown = ", ".join(pending[:5]) + (f" and {len(pending) - 5} more" if len(pending) > 5 else "")
+        raise RuntimeError(
+            f"{caller}: {len(pending)} layer(s) with static activation scales or an accuracy mode were never "
+            f"calibrated ({shown}); run `with qfp8.calibrate(model): model(batch)` over calibration data first"
+        )
+
+
 def freeze(model: nn.Module) -> nn.Module:
     """Checks every layer is ready and packs the weights for their device's kernel."""
     qlinears = _qlinears(model)
     if not qlinears:
         raise ValueError("freeze: the model has no QLinear; call qfp8.quantize(model, ...) first")
-    uncalibrated = [name for name, module in qlinears.items() if not module.is_calibrated or module.accuracy_pending]
-    if uncalibrated:
-        shown = ", ".join(uncalibrated[:5]) + (f" and {len(uncalibrated) - 5} more" if len(uncalibrated) > 5 else "")
-        raise RuntimeError(
-            f"freeze: {len(uncalibrated)} layer(s) with static activation scales or an accuracy mode were never "
-            f"calibrated ({shown}); "
-            "run `with qfp8.calibrate(model): model(batch)` over calibration data first"
-        )
+    check_calibrated(model, "freeze")
     for module in qlinears.values():
         module.pack_for_device()
     return model

@@ -6,7 +6,8 @@ usual; they are not in checkpoints), replaces each linear layer the
 checkpoint quantizes with a meta :class:`QLinear` of the checkpoint's
 scheme, and assigns every tensor as a view of the memory-mapped safetensors
 file: no float copy of a quantized weight is made, and float tensors
-(embeddings, norms, ``lm_head``) are used as stored.
+(embeddings, norms, ``lm_head``) are used as stored (cast, a copy, only when
+``dtype`` asks for another float dtype than the stored one).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import torch
 from torch import nn
 
-from qfp8.checkpoint.readers import CheckpointPlan, open_checkpoint
+from qfp8.checkpoint.readers import CheckpointPlan, check_scale, open_checkpoint
 from qfp8.nn import QLinear, QuantizationScheme
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
@@ -130,7 +131,10 @@ def _empty_buffer_slot(model: nn.Module, key: str) -> bool:
 def assign_state(model: nn.Module, state: dict[str, torch.Tensor], plan: CheckpointPlan | None = None) -> None:
     """``model.load_state_dict(state, assign=True)`` after checking every name, shape and dtype.
 
-    Errors name the file (when known), the tensor and both sizes.
+    Float tensors take the dtype the model has for them (as a copying
+    ``load_state_dict`` would): a float32 checkpoint loaded with
+    ``dtype=torch.bfloat16`` computes in bfloat16. FP8 weights and float32
+    scales stay as stored. Errors name the file (when known), the tensor and both sizes.
     """
     expected = model.state_dict(keep_vars=True)
     unexpected = sorted(key for key in set(state) - set(expected) if not _empty_buffer_slot(model, key))
@@ -140,7 +144,8 @@ def assign_state(model: nn.Module, state: dict[str, torch.Tensor], plan: Checkpo
             f"{len(unexpected)} tensor(s) do not belong to the model ({type(model).__name__}): {shown}"
             + (" ..." if len(unexpected) > 5 else "")
         )
-    for key, value in state.items():
+    state = dict(state)
+    for key, value in list(state.items()):
         if key not in expected:
             continue  # an empty buffer slot: its owner checks the value when loading
         target = expected[key]
@@ -156,7 +161,8 @@ def assign_state(model: nn.Module, state: dict[str, torch.Tensor], plan: Checkpo
             or (target.is_floating_point() and not value.is_floating_point())
         ):
             raise ValueError(f"{_where(plan, key)}tensor {key!r} is {value.dtype}, the model expects {target.dtype}")
-    state = dict(state)
+        if target.is_floating_point() and not target_fp8 and value.dtype != target.dtype:
+            state[key] = value.to(target.dtype)
     # QLinears first, one at a time: a kernel that packs weights makes its own
     # copy, and the mapped pages of the stored weight are released right away
     # so that the file and the packed copy are never both resident.
@@ -206,17 +212,58 @@ def normalize_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch
                 value = value.to(torch.float32)
                 if value.dim() == 0:
                     value = value.reshape(1)
+                check_scale(value, f"state dict tensor {key!r}")
             out[name] = value
     return out
 
 
-def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:
-    """Loads a quantized state dict into a quantized model or meta skeleton (tensors are assigned, not copied)."""
+def _key_mismatches(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """The model's state names that ``state`` lacks, and the names of ``state`` the model does not have.
+
+    An alias is not missing when its tensor is loaded under another name: a
+    QLinear shared under two names, or a tied tensor that ``tie_weights`` ties again.
+    """
+    expected = model.state_dict(keep_vars=True)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    ties = callable(getattr(model, "tie_weights", None))
+
+    def identity(key: str):
+        module_name, _, leaf = key.rpartition(".")
+        owner = modules[module_name]
+        if isinstance(owner, QLinear):
+            return id(owner), leaf  # its "weight" entry is unpacked afresh for each name
+        return id(expected[key]) if ties else key
+
+    loaded = {identity(key) for key in state if key in expected}
+    missing = [key for key in expected if key not in state and identity(key) not in loaded]
+    unexpected = [key for key in state if key not in expected and not _empty_buffer_slot(model, key)]
+    return missing, unexpected
+
+
+def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> nn.Module:
+    """Loads a quantized state dict into a quantized model or meta skeleton (tensors are assigned, not copied).
+
+    ``strict`` as in torch's ``load_state_dict``: by default a tensor the model
+    has and the state dict lacks (or one the model does not have) raises a
+    ``ValueError`` naming it; with ``strict=False`` such tensors are skipped
+    and the model keeps its own values (a meta skeleton has none: its missing
+    tensors still raise).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_state_dict takes an nn.Module, got {type(model).__name__}")
     if not any(isinstance(m, QLinear) for m in model.modules()):
         raise ValueError("load_state_dict: the model has no QLinear; quantize it (or build it with from_pretrained)")
     state = normalize_state_dict(state_dict)
+    missing, unexpected = _key_mismatches(model, state)
+    if strict and missing:
+        raise ValueError(
+            f"load_state_dict: the state dict lacks {len(missing)} tensor(s) the model ({type(model).__name__}) "
+            f"has: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (strict=False keeps the "
+            "model's own values for them)"
+        )
+    if not strict:
+        for key in unexpected:
+            del state[key]
     for name, module in model.named_modules():
         if isinstance(module, QLinear) and module.input_scale is None and name + ".input_scale" in state:
             module.input_scale = torch.ones(1, device=module.weight_scale.device)  # a slot for the stored scale

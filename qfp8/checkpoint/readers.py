@@ -44,6 +44,7 @@ from qfp8.checkpoint.safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, ref
 from qfp8.nn.scheme import QuantizationScheme
 
 INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
 QUANTO_QMAP = "quanto_qmap.json"
 FP8_WEIGHT_DTYPES = tuple(formats.FP8_DTYPES.values())
 # Tensors some writers keep that qfp8 rebuilds itself or does not use.
@@ -62,7 +63,18 @@ class StoredTensor:
         value = self.file.get(self.name) if mmap else self.file.read(self.name)
         if self.scale_shape is not None:
             value = value.to(torch.float32).reshape(self.scale_shape)
+            check_scale(value, f"{self.file.path}: {self.name}")
         return value
+
+
+def check_scale(value: torch.Tensor, where: str) -> None:
+    """A scale multiplies on dequantization: NaN/Inf gives NaN outputs, zero or negative gives wrong ones."""
+    bad = ~(torch.isfinite(value) & (value > 0))
+    if bad.any():
+        raise ValueError(
+            f"{where} holds {int(bad.sum())} of {value.numel()} value(s) that are NaN/Inf, zero or negative "
+            f"(first: {value[bad][0].item()}); scales must be finite and > 0"
+        )
 
 
 @dataclass
@@ -191,6 +203,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                 raise ValueError(refuse_pickle_message(directory / name))
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{index_path} lists shard {name!r}, which is not in {directory}")
+    elif (directory / SINGLE_NAME).is_file():
+        names = [SINGLE_NAME]  # as transformers reads it: other *.safetensors beside it are not the checkpoint's
+        weight_map = None
     else:
         names = sorted(p.name for p in directory.glob("*.safetensors"))
         if not names:

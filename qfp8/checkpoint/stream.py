@@ -49,7 +49,7 @@ from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint import layerwise
 from qfp8.checkpoint.readers import open_checkpoint
 from qfp8.checkpoint.safetensors_io import PlannedTensor
-from qfp8.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, carried_files, write_checkpoint
+from qfp8.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, carried_files, check_output_directory, write_checkpoint
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.quantize import KV_CACHE_DTYPES
 
@@ -141,7 +141,14 @@ def stream_quantize(
     scheme = QuantizationScheme.from_args(weights, weight_scale_granularity, activations, activation_scale, block_size)
     if kv_cache not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache {kv_cache!r}; expected one of {list(KV_CACHE_DTYPES)}")
+    check_output_directory(dst, "DST")
     checkpoint = open_checkpoint(src)
+    # samefile: the same folder also through "..", symbolic links or a Hub cache path.
+    if Path(dst).is_dir() and os.path.samefile(checkpoint.directory, dst):
+        raise ValueError(
+            f"DST {dst} is the source folder {checkpoint.directory}; writing there would replace the "
+            "float checkpoint. Give another folder for the FP8 checkpoint"
+        )
     plan = checkpoint.plan()
     if plan.format != "float":
         raise ValueError(

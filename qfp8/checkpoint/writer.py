@@ -30,6 +30,7 @@ from torch import nn
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, PlannedTensor, write_safetensors
 from qfp8.nn import QLinear
+from qfp8.quantize import check_calibrated
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INDEX_NAME = "model.safetensors.index.json"
@@ -39,6 +40,9 @@ CARRIED_FILES = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|chat_template\..*|"
     r"generation_config\.json|preprocessor_config\.json)$"
 )
+# Names of the weight files a checkpoint save writes (ours and transformers'): only these, and the shards an
+# existing index names, are an older checkpoint's, to be replaced; other files in the folder are the user's.
+CHECKPOINT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -140,8 +144,8 @@ def write_checkpoint(
         shard_names = [SINGLE_NAME]
     else:
         shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    directory = Path(directory)
-    old = {p.name for p in directory.glob("model*.safetensors")} | {INDEX_NAME} if directory.is_dir() else set()
+    directory = check_output_directory(directory, "write_checkpoint")
+    old = previous_checkpoint_files(directory)
     with AtomicDirectoryWrite(directory) as out:
         for shard_name, shard in zip(shard_names, shards, strict=True):
             if on_tensor is not None:
@@ -160,6 +164,38 @@ def write_checkpoint(
         out.write_text("config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
         out.commit(stale=sorted(old - set(shard_names) - ({INDEX_NAME} if len(shards) > 1 else set())))
     return shard_names
+
+
+def check_output_directory(directory: str | os.PathLike, caller: str) -> Path:
+    """``directory`` as a Path; a ValueError if it (or the first existing folder above it) is not a folder."""
+    directory = Path(directory)
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "" if existing == directory else f" (in {directory})"
+        raise ValueError(f"{caller}: {existing} is a file, not a folder{where}; give a folder for the checkpoint")
+    return directory
+
+
+def previous_checkpoint_files(directory: Path) -> set[str]:
+    """The files of a checkpoint saved in ``directory`` before: its index, the shards it names, model weight files.
+
+    Other files (a user's ``model_backup.safetensors``) are not the checkpoint's and are left alone.
+    """
+    if not directory.is_dir():
+        return set()
+    found = {p.name for p in directory.iterdir() if CHECKPOINT_FILE.match(p.name)}
+    index = directory / INDEX_NAME
+    if index.is_file():
+        found.add(INDEX_NAME)
+        try:
+            shards = json.loads(index.read_text())["weight_map"].values()
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            shards = []  # not a readable index: only the names above are known to be a checkpoint's
+        for name in shards:
+            # Plain file names only: an index must not send the removal outside the folder.
+            if isinstance(name, str) and name.endswith(".safetensors") and Path(name).name == name:
+                found.add(name)
+    return found
 
 
 def _with_callback(entry: PlannedTensor, callback) -> PlannedTensor:
@@ -197,11 +233,19 @@ def save_pretrained(
 
     Tokenizer and generation files come from ``tokenizer`` if given, else from
     the folder the model was loaded from (``config._name_or_path``) when it has them.
+    A model ``qfp8.freeze`` would refuse (static scales or an accuracy mode not yet
+    calibrated) is refused here too, before anything is written. Of the files
+    already in ``directory``, only an older checkpoint's weights and index are replaced.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_pretrained takes an nn.Module, got {type(model).__name__}")
+    check_output_directory(directory, "save_pretrained")
     config = model_config_dict(model)
     config["quantization_config"] = model_quantization_config(model)
+    # Saved, an uncalibrated static layer would lack its input_scale (the
+    # checkpoint could not be loaded) and an accuracy-mode layer would ship
+    # its round-to-nearest weights.
+    check_calibrated(model, "save_pretrained")
     plan = plan_model_tensors(model)
     source = getattr(model, "qfp8_source", None) or config.get("_name_or_path")
     extra = carried_files(source)

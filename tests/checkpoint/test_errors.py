@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -140,3 +141,62 @@ def test_bad_arguments(tiny, tmp_path):
         qfp8.save_pretrained(model, tmp_path, max_shard_size="lots")
     with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
         qfp8.from_pretrained(tmp_path / "nowhere")
+
+
+@pytest.fixture
+def saved_static(tiny, tmp_path):
+    model = tiny.model()
+    qfp8.quantize(model, weight_scale="channel", activations="static", kv_cache="float8_e4m3fn")
+    with qfp8.calibrate(model):
+        model(tiny.tokens())
+    qfp8.save_pretrained(model, tmp_path)
+    return tmp_path
+
+
+BAD_SCALES = {
+    "weight-scale-nan": ("model.layers.0.mlp.up_proj.weight_scale", float("nan")),
+    "weight-scale-inf": ("model.layers.1.self_attn.o_proj.weight_scale", float("inf")),
+    "weight-scale-negative": ("model.layers.0.mlp.up_proj.weight_scale", -1.0),
+    "input-scale-zero": ("model.layers.0.mlp.down_proj.input_scale", 0.0),
+    "k-scale-nan": ("model.layers.1.self_attn.k_scale", float("nan")),
+    "v-scale-zero": ("model.layers.0.self_attn.v_scale", 0.0),
+}
+
+
+@pytest.mark.parametrize("key, value", BAD_SCALES.values(), ids=BAD_SCALES.keys())
+def test_non_finite_zero_or_negative_scales_are_refused(saved_static, key, value):
+    def change(tensors):
+        tensors[key] = tensors[key].clone()
+        tensors[key][0] = value  # one bad value is enough
+
+    _rewrite(saved_static, change)
+    with pytest.raises(
+        ValueError,
+        match=rf"model\.safetensors: {re.escape(key)} holds 1 of \d+ value\(s\) that are NaN/Inf, zero or "
+        r"negative \(first: .*\); scales must be finite and > 0",
+    ):
+        qfp8.from_pretrained(saved_static)
+
+
+def test_load_state_dict_refuses_bad_scales(tiny):
+    model = tiny.model()
+    qfp8.quantize(model)
+    state = model.state_dict()
+    state["model.layers.0.mlp.up_proj.weight_scale"] = torch.full_like(
+        state["model.layers.0.mlp.up_proj.weight_scale"], float("nan")
+    )
+    with pytest.raises(
+        ValueError, match=r"state dict tensor 'model\.layers\.0\.mlp\.up_proj\.weight_scale' holds 128 of 128"
+    ):
+        qfp8.load_state_dict(model, state)
+
+
+def test_save_onto_a_file_path(tiny, tmp_path):
+    model = tiny.model()
+    qfp8.quantize(model)
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"a file")
+    for target in (path, path / "sub"):
+        with pytest.raises(ValueError, match=rf"save_pretrained: {re.escape(str(path))} is a file, not a folder"):
+            qfp8.save_pretrained(model, target)
+    assert path.read_bytes() == b"a file"

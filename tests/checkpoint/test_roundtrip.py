@@ -304,3 +304,120 @@ def test_skeleton_has_no_float_weights_before_assignment(tiny, tmp_path):
         and not weight.is_contiguous()
         or weight.untyped_storage().nbytes() > weight.nbytes
     )
+
+
+def test_save_replaces_only_an_older_checkpoints_files(tiny, tmp_path, x):
+    model = quantized_model(tiny, SCHEMES["w-channel"])
+    qfp8.save_pretrained(model, tmp_path, max_shard_size="40KB")
+    old_shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    # An older checkpoint's index may name shards of any name; the user's own files are not the checkpoint's.
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    os.rename(tmp_path / old_shards[0], tmp_path / "weights-a.safetensors")
+    index["weight_map"] = {
+        k: "weights-a.safetensors" if v == old_shards[0] else v for k, v in index["weight_map"].items()
+    }
+    index["weight_map"]["escape"] = "../outside.safetensors"
+    index_path.write_text(json.dumps(index))
+    (tmp_path.parent / "outside.safetensors").write_bytes(b"outside")
+    user_files = {"model_bf16_backup.safetensors": b"precious", "model-draft.safetensors": b"draft", "notes.txt": b"n"}
+    for name, data in user_files.items():
+        (tmp_path / name).write_bytes(data)
+    qfp8.save_pretrained(model, tmp_path)  # one file now: the old shards and index go
+    names = {p.name for p in tmp_path.iterdir()}
+    assert names == {"model.safetensors", "config.json", "generation_config.json", *user_files}
+    assert all((tmp_path / name).read_bytes() == data for name, data in user_files.items())
+    assert (tmp_path.parent / "outside.safetensors").read_bytes() == b"outside"
+    with torch.no_grad():
+        assert torch.equal(qfp8.from_pretrained(tmp_path)(x).logits, model(x).logits)
+    qfp8.save_pretrained(model, tmp_path, max_shard_size="40KB")  # sharded again: model.safetensors goes
+    assert not (tmp_path / "model.safetensors").exists() and (tmp_path / "model_bf16_backup.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(activations="static"), dict(accuracy="gptq")], ids=["a-static", "accuracy-gptq"]
+)
+def test_save_refuses_uncalibrated_models_as_freeze_does(tiny, tmp_path, x, kwargs):
+    model = tiny.model()
+    qfp8.quantize(model, **kwargs)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match=r"save_pretrained: 14 layer\(s\) .* never calibrated \(model\.layers\.0"):
+        qfp8.save_pretrained(model, out)
+    assert not out.exists()  # nothing written
+    with qfp8.calibrate(model):
+        model(x)
+    qfp8.save_pretrained(model, out)
+    with torch.no_grad():
+        assert torch.equal(qfp8.from_pretrained(out)(x).logits, model(x).logits)
+
+
+def test_from_pretrained_dtype_casts_the_float_tensors(tiny, tmp_path, x):
+    model = tiny.model(attention_bias=True)  # float32, with QLinear biases
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path)
+    loaded = qfp8.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert loaded.config.dtype == torch.bfloat16
+    for name, tensor in loaded.state_dict().items():
+        if name.endswith("_scale"):
+            assert tensor.dtype == torch.float32, name
+        elif name.endswith(".weight") and name.rsplit(".", 1)[0] in qlinears(loaded):
+            assert tensor.dtype == torch.float8_e4m3fn, name
+        else:  # embedding, norms, lm_head, QLinear biases
+            assert tensor.dtype == torch.bfloat16, name
+    assert sum(module.bias is not None for module in qlinears(loaded).values()) == 8  # q, k, v, o per layer
+    for name, module in qlinears(loaded).items():
+        assert module.orig_dtype == torch.bfloat16, name
+        assert module.bias is None or module.bias.dtype == torch.bfloat16, name
+        original = qlinears(model)[name]
+        assert torch.equal(module.canonical_weight().view(torch.uint8), original.canonical_weight().view(torch.uint8))
+        assert torch.equal(module.weight_scale, original.weight_scale)
+    assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight  # untied config: not tied by the cast
+    with torch.no_grad():
+        logits, reference = loaded(x).logits, model(x).logits
+    assert logits.dtype == torch.bfloat16
+    assert formats.sqnr(reference, logits.float()) > 25  # bf16 rounding of the float tensors only
+    assert qfp8.from_pretrained(tmp_path).model.embed_tokens.weight.dtype == torch.float32  # config's dtype
+
+
+def test_load_state_dict_is_strict_as_torch_is(tiny, x):
+    source = quantized_model(tiny, SCHEMES["w-tensor-a-static"])
+    target = tiny.model(seed=7)
+    qfp8.quantize(target, weight_scale="tensor", activations="static")
+    with qfp8.calibrate(target):
+        target(x)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    state = source.state_dict()
+    del state["model.layers.0.mlp.up_proj.weight"], state["model.layers.1.self_attn.k_proj.input_scale"]
+    with pytest.raises(
+        ValueError,
+        match=r"lacks 2 tensor\(s\) the model \(LlamaForCausalLM\) has: model\.layers\.0\.mlp\.up_proj\.weight, "
+        r"model\.layers\.1\.self_attn\.k_proj\.input_scale \(strict=False",
+    ):
+        qfp8.load_state_dict(target, state)
+    with pytest.raises(ValueError, match=r"lacks \d+ tensor\(s\) .*: model\.embed_tokens\.weight, .* \.\.\."):
+        qfp8.load_state_dict(target, {})
+    after = target.state_dict()  # a refused load changes nothing
+    assert all(torch.equal(after[k].view(torch.uint8), v.view(torch.uint8)) for k, v in before.items())
+
+    # strict=False: what the state dict lacks keeps the model's values; what the model lacks is skipped.
+    qfp8.load_state_dict(target, {**state, "extra.weight": torch.zeros(2)}, strict=False)
+    after = target.state_dict()
+    for key in ("model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.k_proj.input_scale"):
+        assert torch.equal(after[key].view(torch.uint8), before[key].view(torch.uint8)), key
+    assert torch.equal(after["model.norm.weight"], state["model.norm.weight"])
+
+
+def test_load_state_dict_of_a_saved_tied_model(tiny, tmp_path, x):
+    from safetensors.torch import load_file
+
+    model = tiny.model(tie_word_embeddings=True)
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in state  # written once, under the embedding's name
+    target = tiny.model(seed=3, tie_word_embeddings=True)
+    qfp8.quantize(target)
+    qfp8.load_state_dict(target, state)  # strict: the tied lm_head is not missing
+    assert target.lm_head.weight is target.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(target(x).logits, model(x).logits)

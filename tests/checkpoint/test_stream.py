@@ -71,6 +71,22 @@ def test_stream_refuses_quantized_sources(tiny, tmp_path):
         main(["quantize", str(tmp_path / "q"), str(tmp_path / "q2"), "--no-progress"])
 
 
+def test_stream_refuses_to_write_into_its_source(tiny, tmp_path):
+    source = tmp_path / "float"
+    tiny.model().save_pretrained(source)
+    (tmp_path / "link").symlink_to(source)
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    for dst in (source, tmp_path / "float" / ".." / "float", tmp_path / "link"):
+        with pytest.raises(ValueError, match=r"^DST .* is the source folder .*float; writing there"):
+            main(["quantize", str(source), str(dst), "--no-progress"])
+    with pytest.raises(ValueError, match=r"^DST: .*config\.json is a file, not a folder"):
+        main(["quantize", str(source), str(source / "config.json"), "--no-progress"])
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before  # nothing written
+    # A folder inside it is another folder.
+    assert main(["quantize", str(source), str(source / "fp8"), "--no-progress"]) == 0
+    assert qfp8.from_pretrained(source / "fp8") is not None
+
+
 def test_stream_peak_rss_is_bounded_by_largest_tensor(tiny, tmp_path):
     source = tmp_path / "float"
     model = tiny.model(torch.float32, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, vocab_size=2048)
