@@ -32,8 +32,11 @@ How it plugs in
 ``k_proj``, ``v_proj``) the scale buffers, calibration methods and a forward
 pre-hook. The hook swaps the module's ``DynamicLayer``/``StaticLayer`` in
 whatever ``Cache`` it is called with for :class:`Float8DynamicLayer` /
-:class:`Float8StaticLayer`; the module's own forward and RoPE are untouched,
-and so is its attention implementation except as said below.
+:class:`Float8StaticLayer`, and the sliding-window variants (Mistral, Qwen2
+with ``use_sliding_window``) for :class:`Float8DynamicSlidingWindowLayer` /
+:class:`Float8StaticSlidingWindowLayer`, which keep and return the same
+tokens as transformers' layers; the module's own forward and RoPE are
+untouched, and so is its attention implementation except as said below.
 
 What is dequantized per step
 ----------------------------
@@ -62,7 +65,7 @@ import warnings
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from qfp8 import formats
@@ -140,6 +143,16 @@ class _Float8LayerMixin:
         k_scale, v_scale = self._scales()
         return dequantize_kv(keys, k_scale, self.out_dtype), dequantize_kv(values, v_scale, self.out_dtype)
 
+    def dequantized(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 states ``update`` returned, in the model dtype."""
+        return self._read(keys, values)
+
+    def _returned(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` gives attention: the FP8 states themselves when fused, else dequantized."""
+        if self._fused():
+            return keys, values
+        return self.dequantized(keys, values)
+
     def _fused(self) -> bool:
         """True when the model's attention is qfp8's (:data:`FUSED_ATTENTION`): ``update`` then returns FP8."""
         config = getattr(self.attention, "config", None)
@@ -161,14 +174,8 @@ class _Float8LayerMixin:
         return sum(t.numel() * t.element_size() for t in in_use if t is not None)
 
 
-class Float8DynamicLayer(_Float8LayerMixin, DynamicLayer):
-    """A growing cache layer storing K/V in FP8; ``update`` returns the dequantized states."""
-
-    is_croppable = True
-
-    def __init__(self, attention: nn.Module):
-        super().__init__()
-        self._setup(attention)
+class _Float8DynamicMixin(_Float8LayerMixin):
+    """Shared by the growing FP8 layers (full and sliding-window): FP8 buffers, per-sequence stats, batch edits."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -178,20 +185,6 @@ class Float8DynamicLayer(_Float8LayerMixin, DynamicLayer):
         self.values = torch.empty(b, h, 0, value_states.shape[-1], dtype=self.fp8_dtype, device=self.device)
         self.key_mean, self.key_scale, self.value_scale = self._first_update_stats(key_states, value_states)
         self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        new_keys, new_values = self._quantize_new(key_states, value_states)
-        self.keys = torch.cat([self.keys, new_keys], dim=-2)
-        self.values = torch.cat([self.values, new_values], dim=-2)
-        if self._fused():
-            return self.keys, self.values
-        return self.dequantized()
-
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored K/V in the model dtype."""
-        return self._read(self.keys, self.values)
 
     def reset(self) -> None:
         super().reset()
@@ -213,13 +206,60 @@ class Float8DynamicLayer(_Float8LayerMixin, DynamicLayer):
             self._select_batch(lambda t: t[indices, ...])
 
 
-class Float8StaticLayer(_Float8LayerMixin, StaticLayer):
-    """A preallocated cache layer storing K/V in FP8, for ``torch.compile`` (static addresses, in-place writes)."""
+class Float8DynamicLayer(_Float8DynamicMixin, DynamicLayer):
+    """A growing cache layer storing K/V in FP8; ``update`` returns the dequantized states."""
 
-    def __init__(self, max_cache_len: int, attention: nn.Module):
-        super().__init__(max_cache_len=max_cache_len)
+    is_croppable = True
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
         self._setup(attention)
-        self.needs_stats = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new_keys, new_values = self._quantize_new(key_states, value_states)
+        self.keys = torch.cat([self.keys, new_keys], dim=-2)
+        self.values = torch.cat([self.values, new_values], dim=-2)
+        return self._returned(self.keys, self.values)
+
+
+class Float8DynamicSlidingWindowLayer(_Float8DynamicMixin, DynamicSlidingWindowLayer):
+    """:class:`DynamicSlidingWindowLayer` in FP8: keeps the last ``sliding_window - 1`` tokens, as transformers does.
+
+    ``update`` returns the kept tokens followed by the new ones (what the
+    sliding-window mask from ``get_mask_sizes`` covers); ``crop`` and past
+    recording are transformers' own, on the FP8 buffers.
+    """
+
+    def __init__(self, sliding_window: int, attention: nn.Module):
+        super().__init__(sliding_window=sliding_window)
+        self._setup(attention)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new_keys, new_values = self._quantize_new(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        keys = torch.cat([self.keys, new_keys], dim=-2)
+        values = torch.cat([self.values, new_values], dim=-2)
+        if self.record_past:
+            # Everything is kept until `crop` trims it; attention gets only what the mask covers.
+            self.keys, self.values = keys, values
+            visible = self.sliding_window - 1 + key_states.shape[-2]
+            keys, values = keys[:, :, -visible:], values[:, :, -visible:]
+        else:
+            self.keys = keys[:, :, -self.sliding_window + 1 :]
+            self.values = values[:, :, -self.sliding_window + 1 :]
+        return self._returned(keys, values)
+
+
+class _Float8StaticMixin(_Float8LayerMixin):
+    """Shared by the preallocated FP8 layers (full and sliding-window): static buffers, stats filled in place."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -242,7 +282,8 @@ class Float8StaticLayer(_Float8LayerMixin, StaticLayer):
                 torch._dynamo.mark_static_address(self.key_mean)
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def _quantize_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Lazy initialization and the per-sequence stats on the first update, then the new states in FP8."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.needs_stats:
@@ -253,23 +294,23 @@ class Float8StaticLayer(_Float8LayerMixin, StaticLayer):
             if mean is not None:
                 self.key_mean.copy_(mean)
             self.needs_stats = False
-        length = key_states.shape[-2]
+        return self._quantize_new(key_states, value_states)
+
+    def _write(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> None:
+        """Writes FP8 states at ``cumulative_length`` in place and advances it."""
+        length = new_keys.shape[-2]
         position = torch.arange(length, device=self.device) + self.cumulative_length
-        new_keys, new_values = self._quantize_new(key_states, value_states)
         # index_copy_ has no FP8 kernel; the byte view writes the same storage.
         self.keys.view(torch.uint8).index_copy_(2, position, new_keys.view(torch.uint8))
         self.values.view(torch.uint8).index_copy_(2, position, new_values.view(torch.uint8))
         self.cumulative_length.add_(length)
-        if self._fused():
-            return self.keys, self.values
-        return self.dequantized()
 
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole buffer in the model dtype (eager: only the filled prefix is converted, zeros behind it)."""
-        if torch.compiler.is_compiling():
-            return self._read(self.keys, self.values)
+    def dequantized(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """States ``update`` returned, in the model dtype; of the whole buffer, eager converts only the filled part."""
+        if torch.compiler.is_compiling() or keys is not self.keys:
+            return self._read(keys, values)
         # Eager: dequantize only the filled prefix; the zeros behind it are masked out.
-        filled = int(self.cumulative_length)
+        filled = min(int(self.get_seq_length()), self.max_cache_len)
         keys, values = self._read(self.keys[:, :, :filled], self.values[:, :, :filled])
         pad = (0, 0, 0, self.max_cache_len - filled)
         return nn.functional.pad(keys, pad), nn.functional.pad(values, pad)
@@ -287,6 +328,63 @@ class Float8StaticLayer(_Float8LayerMixin, StaticLayer):
                 tensor = getattr(self, name)
                 if tensor is not None:
                     tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
+
+
+class Float8StaticLayer(_Float8StaticMixin, StaticLayer):
+    """A preallocated cache layer storing K/V in FP8, for ``torch.compile`` (static addresses, in-place writes)."""
+
+    def __init__(self, max_cache_len: int, attention: nn.Module):
+        super().__init__(max_cache_len=max_cache_len)
+        self._setup(attention)
+        self.needs_stats = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        new_keys, new_values = self._quantize_update(key_states, value_states)
+        self._write(new_keys, new_values)
+        return self._returned(self.keys, self.values)
+
+
+class Float8StaticSlidingWindowLayer(_Float8StaticMixin, StaticSlidingWindowLayer):
+    """:class:`StaticSlidingWindowLayer` in FP8: a ``min(max_cache_len, sliding_window)`` buffer holding the last tokens.
+
+    Until the window is full, tokens are written in place as in
+    :class:`Float8StaticLayer`. A one-token update of a full window (a decode
+    step) shifts the buffer left by one in place and writes the token last,
+    so compiled steps keep reading the same addresses. An update that runs
+    past the window with several tokens returns the tokens kept so far
+    followed by the new ones (what the mask covers) and keeps the last
+    ``max_cache_len``, as transformers' layer does.
+    """
+
+    def __init__(self, max_cache_len: int, sliding_window: int, attention: nn.Module):
+        super().__init__(max_cache_len=max_cache_len, sliding_window=sliding_window)
+        self._setup(attention)
+        self.needs_stats = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        new_keys, new_values = self._quantize_update(key_states, value_states)
+        length, stored = key_states.shape[-2], self.cumulative_length_int
+        self.cumulative_length_int += length
+        if stored + length <= self.max_cache_len:
+            self._write(new_keys, new_values)
+            return self._returned(self.keys, self.values)
+        if stored >= self.max_cache_len and length == 1:
+            for buffer, new in ((self.keys, new_keys), (self.values, new_values)):
+                data = buffer.view(torch.uint8)
+                data.copy_(data.roll(-1, dims=-2))
+                data[:, :, -1:].copy_(new.view(torch.uint8))
+            return self._returned(self.keys, self.values)
+        # A full window keeps its last max_cache_len - 1 tokens for the new ones; a filling one keeps them all.
+        kept = slice(1, None) if stored >= self.max_cache_len else slice(0, stored)
+        keys = torch.cat([self.keys[:, :, kept], new_keys], dim=-2)
+        values = torch.cat([self.values[:, :, kept], new_values], dim=-2)
+        self.keys.view(torch.uint8).copy_(keys[:, :, -self.max_cache_len :].view(torch.uint8))
+        self.values.view(torch.uint8).copy_(values[:, :, -self.max_cache_len :].view(torch.uint8))
+        return self._returned(keys, values)
+
+    def reset(self) -> None:
+        super().reset()
+        self.cumulative_length_int = 0
 
 
 class _CalibrationRecorder:
@@ -328,11 +426,14 @@ class Float8KVAttentionMixin:
         if self._kv_amax is None:
             return  # never ran: stays dynamic
         k_amax, v_amax = self._kv_amax
-        k_scale = formats.scale_from_amax(k_amax, self.qfp8_kv_dtype).reshape(1)
-        v_scale = formats.scale_from_amax(v_amax, self.qfp8_kv_dtype).reshape(1)
-        if self.qfp8_kv_scale_search and self._kv_rows[0]:
-            k_scale = search_scale(torch.cat(self._kv_rows[0]), k_scale, self.qfp8_kv_dtype)
-            v_scale = search_scale(torch.cat(self._kv_rows[1]), v_scale, self.qfp8_kv_dtype)
+        # Calibration may run under torch.inference_mode(); scales made there would be inference tensors, which a
+        # later forward with autograd on cannot use. Made outside it, they are normal tensors.
+        with torch.inference_mode(False):
+            k_scale = formats.scale_from_amax(k_amax, self.qfp8_kv_dtype).reshape(1)
+            v_scale = formats.scale_from_amax(v_amax, self.qfp8_kv_dtype).reshape(1)
+            if self.qfp8_kv_scale_search and self._kv_rows[0]:
+                k_scale = search_scale(torch.cat(self._kv_rows[0]), k_scale, self.qfp8_kv_dtype)
+                v_scale = search_scale(torch.cat(self._kv_rows[1]), v_scale, self.qfp8_kv_dtype)
         self.k_scale, self.v_scale = k_scale, v_scale
         self._kv_amax = None
         self._kv_rows = ([], [])
@@ -429,12 +530,19 @@ def _install_layer(cache, attention: nn.Module) -> None:
         layer = layers[index]
     if type(layer) is StaticLayer:
         new_layer = Float8StaticLayer(layer.max_cache_len, attention)
+    elif type(layer) is StaticSlidingWindowLayer:
+        # Its max_cache_len is already min(max_cache_len, sliding_window); croppable says which was smaller.
+        new_layer = Float8StaticSlidingWindowLayer(layer.max_cache_len, layer.max_cache_len, attention)
+        new_layer._is_croppable = layer.is_croppable
     elif type(layer) is DynamicLayer:
         new_layer = Float8DynamicLayer(attention)
+    elif type(layer) is DynamicSlidingWindowLayer:
+        new_layer = Float8DynamicSlidingWindowLayer(layer.sliding_window, attention)
+        new_layer.record_past = layer.record_past
     else:
         raise NotImplementedError(
-            f"FP8 KV cache: layer {index} is a {type(layer).__name__}; only DynamicLayer and StaticLayer "
-            "(full attention, DynamicCache / StaticCache) are supported"
+            f"FP8 KV cache: layer {index} is a {type(layer).__name__}; only DynamicLayer, StaticLayer and their "
+            "sliding-window variants (DynamicCache / StaticCache) are supported"
         )
     if layer.is_initialized:
         raise ValueError(
@@ -484,7 +592,7 @@ def _fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
             scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
             out = torch.ops.qfp8.fp8_decode_attention(query, key, value, k_scale, v_scale, attention_mask, scale)
             return out.transpose(1, 2).contiguous(), None
-        key, value = layer.dequantized()
+        key, value = layer.dequantized(key, value)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
@@ -514,7 +622,8 @@ def _load_state_dict_pre_hook(model, state_dict, prefix, *args) -> None:
                 state_dict[key] = value.detach().reshape(1).to(torch.float32)
                 if getattr(attention, scale_name) is None:
                     device = attention.k_proj.weight.device if hasattr(attention.k_proj, "weight") else None
-                    attention._buffers[scale_name] = torch.empty(1, dtype=torch.float32, device=device)
+                    with torch.inference_mode(False):  # a normal tensor even when loading under inference mode
+                        attention._buffers[scale_name] = torch.empty(1, dtype=torch.float32, device=device)
             elif carries_scales:
                 attention._buffers[scale_name] = None
                 missing.append(key)

@@ -473,3 +473,23 @@ def test_calibration_keeps_a_spread_sample_of_rows(monkeypatch):
     assert 50 < kept.shape[0] <= 100
     assert kept.shape[1] == 8
     assert set((kept[:, 0] // 1000).tolist()) == set(range(6))  # every batch is represented
+
+
+def test_scales_calibrated_or_loaded_under_inference_mode_work_with_autograd_on(base_model, prompt):
+    """Scales made under torch.inference_mode() would be inference tensors, which a later forward with autograd on
+    (plain ``model(ids)``) cannot save for backward: calibration and loading make normal tensors."""
+    model = copy.deepcopy(base_model)
+    kvc.enable_fp8_kv_cache(model)
+    with torch.inference_mode(), qfp8.calibrate(model):
+        model(prompt)
+    attention = model.model.layers[0].self_attn
+    assert not attention.k_scale.is_inference() and not attention.v_scale.is_inference()
+    logits = model(prompt).logits  # raised "Inference tensors cannot be saved for backward"
+    logits.sum().backward()
+    assert model.model.embed_tokens.weight.grad is not None
+    reloaded = copy.deepcopy(base_model)
+    kvc.enable_fp8_kv_cache(reloaded)
+    with torch.inference_mode():
+        reloaded.load_state_dict(model.state_dict())
+    assert not reloaded.model.layers[0].self_attn.k_scale.is_inference()
+    assert torch.equal(reloaded(prompt).logits, logits)
