@@ -2,12 +2,20 @@
 
 Each subcommand lives beside the code it drives and provides
 ``add_arguments(parser)`` and ``run(args) -> int``.
+
+From the command line, a user error (the ``ValueError``, ``TypeError`` or
+``FileNotFoundError`` the library raises for bad arguments, files or models)
+prints ``qfp8 <command>: error: <message>`` and exits with status 2, as
+argparse does for bad options; ``QFP8_TRACEBACK=1`` shows the traceback
+instead. ``main(argv)`` called with a list (from Python) raises them.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
 
 # subcommand -> (module providing add_arguments/run, one-line help)
@@ -16,6 +24,24 @@ SUBCOMMANDS = {
     "quantize": ("qfp8.checkpoint.stream", "stream-quantize a float safetensors checkpoint into an FP8 one"),
     "inspect": ("qfp8.checkpoint.inspect", "describe a checkpoint: format, scheme per module group, sizes"),
 }
+# subcommand -> its argument naming a checkpoint folder or Hub repo id
+SOURCE_ARGUMENTS = {"quantize": "src", "inspect": "path"}
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def check_source_path(path: str) -> None:
+    """Raises FileNotFoundError for a missing path that cannot be a Hub repo id (``owner/name``).
+
+    Such a path (``./x``, ``/x``, ``~/x``, ``a/b/c``, or ``a/b`` where the
+    local folder ``a`` exists) is a mistyped local folder: say so, rather than
+    look it up on the Hub and report the network's errors.
+    """
+    if os.path.exists(path):
+        return
+    first = path.split("/", 1)[0]
+    if not _REPO_ID.fullmatch(path) or path.startswith((".", "~")) or os.path.isdir(first):
+        raise FileNotFoundError(f"{path}: no such file or folder (taken as a local path, not a Hub repo id)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command not in modules:
         parser.error(f"'{args.command}' is not available in this build")
-    return int(modules[args.command].run(args) or 0)
+    try:
+        if args.command in SOURCE_ARGUMENTS:
+            check_source_path(getattr(args, SOURCE_ARGUMENTS[args.command]))
+        return int(modules[args.command].run(args) or 0)
+    except USER_ERRORS as error:
+        if argv is not None or os.environ.get("QFP8_TRACEBACK", "") not in ("", "0"):
+            raise
+        print(f"qfp8 {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+"""``python -m qfp8``: user errors as one line (status 2), mistyped local paths, sliding-window KV cache."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import qfp8
+from qfp8 import cli
+
+
+@pytest.fixture(scope="module")
+def float_folder(tmp_path_factory):
+    """A tiny float Llama checkpoint without a tokenizer."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("float")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """Records every Hub lookup (resolve() would turn a refusal into FileNotFoundError, hiding it)."""
+    huggingface_hub = pytest.importorskip("huggingface_hub", reason="Hub lookups go through huggingface_hub")
+    lookups = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *args, **kwargs: lookups.append(args))
+    return lookups
+
+
+def command_line(monkeypatch, capsys, *args) -> tuple[int, str]:
+    """Runs ``main()`` as the installed script does (arguments from sys.argv); returns its status and stderr."""
+    monkeypatch.setattr(sys, "argv", ["qfp8", *map(str, args)])
+    status = cli.main()
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["block-size", "no-tokenizer"])
+def test_user_errors_are_one_line_and_status_2(float_folder, tmp_path, monkeypatch, capsys, case):
+    monkeypatch.delenv("QFP8_TRACEBACK", raising=False)
+    dst = tmp_path / "out"
+    if case == "block-size":
+        args = ["quantize", float_folder, dst, "--weight-scale", "block", "--block-size", "0", "0", "--no-progress"]
+        expected = "qfp8 quantize: error: block_size must be two positive ints (bn, bk), got (0, 0)\n"
+    else:
+        args = ["quantize", float_folder, dst, "--activations", "static", "--no-progress"]
+        expected = f"qfp8 quantize: error: {float_folder}: no tokenizer ("
+    status, err = command_line(monkeypatch, capsys, *args)
+    assert status == 2
+    assert err.startswith(expected) and err.count("\n") == 1 and "Traceback" not in err
+    assert not dst.exists()
+    # From Python (an argv list) the exception itself comes out; QFP8_TRACEBACK=1 lets it through on the command line.
+    with pytest.raises(ValueError):
+        cli.main([str(a) for a in args])
+    monkeypatch.setenv("QFP8_TRACEBACK", "1")
+    with pytest.raises(ValueError):
+        command_line(monkeypatch, capsys, *args)
+
+
+@pytest.mark.parametrize("path", ["ck/no_such_folder", "./no_such_folder", "ck/a/b", "no_such_folder", "ABSOLUTE"])
+@pytest.mark.parametrize("command", ["inspect", "quantize"])
+def test_mistyped_local_path_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, capsys, no_hub, path, command):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck").mkdir()  # "ck/no_such_folder" could be a repo id, but ck is a local folder
+    path = str(tmp_path / "missing") if path == "ABSOLUTE" else path
+    args = [command, path] + ([str(tmp_path / "out")] if command == "quantize" else [])
+    status, err = command_line(monkeypatch, capsys, *args)
+    assert status == 2
+    assert err == f"qfp8 {command}: error: {path}: no such file or folder (taken as a local path, not a Hub repo id)\n"
+    assert no_hub == []
+    assert not (tmp_path / "out").exists()
+
+
+def test_repo_id_shaped_path_still_goes_to_the_hub(tmp_path, monkeypatch, no_hub):
+    monkeypatch.chdir(tmp_path)  # no local folder "someone"
+    cli.check_source_path("someone/model-1.5B")  # may be a Hub repo id: not refused here
+    with pytest.raises(FileNotFoundError):
+        cli.main(["inspect", "someone/model-1.5B"])  # the stub returns nothing: not a folder
+    assert no_hub == [("someone/model-1.5B",)]
+
+
+def test_installed_entry_point_prints_no_traceback(tmp_path):
+    (tmp_path / "ck").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "qfp8", "inspect", "ck/no_such_folder"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "qfp8 inspect: error: ck/no_such_folder: no such file or folder (taken as a local path, not a Hub repo id)"
+    ]
+
+
+def test_quantize_kv_cache_of_a_sliding_window_mistral(tmp_path):
+    """MistralConfig's default sliding window (4096): ``--kv-cache`` calibrates, writes and the result generates."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    assert config.sliding_window == 4096
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path / "float")
+    (tmp_path / "ids.txt").write_text(" ".join(str(i % 100) for i in range(64)) + "\n")
+    args = ["quantize", tmp_path / "float", tmp_path / "fp8", "--kv-cache", "float8_e4m3fn"]
+    assert cli.main([str(a) for a in args] + ["--calibration-ids", str(tmp_path / "ids.txt"), "--no-progress"]) == 0
+    model = qfp8.from_pretrained(tmp_path / "fp8")
+    assert model.model.layers[0].self_attn.k_scale.shape == (1,)
+    with torch.no_grad():
+        out = model.generate(torch.randint(0, 100, (1, 8)), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 10)
