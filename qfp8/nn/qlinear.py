@@ -319,6 +319,17 @@ class QLinear(nn.Module):
         state["_fast"] = fast
 
     def __setattr__(self, name, value):
+        if isinstance(value, torch.Tensor) and value.is_inference():
+            # A weight, scale or bias made under torch.inference_mode (quantize,
+            # calibrate or load_state_dict run there) would make every later
+            # forward with autograd on fail ("inference tensors cannot be saved
+            # for backward"): the layer keeps a normal copy.
+            with torch.inference_mode(False):
+                value = (
+                    nn.Parameter(value.clone(), value.requires_grad)
+                    if isinstance(value, nn.Parameter)
+                    else value.clone()
+                )
         super().__setattr__(name, value)
         self.__dict__["_fast"] = None
 

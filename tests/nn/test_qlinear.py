@@ -151,3 +151,26 @@ def test_plain_pickle_round_trip(activations):
     assert [m.qweight.dtype for m in copy_] == [m.qweight.dtype for m in model]
     assert [m.packing for m in copy_] == [m.packing for m in model]
     assert torch.equal(copy_(x), model(x))
+
+
+def test_state_made_under_inference_mode_is_usable_with_autograd():
+    """quantize, calibrate and load_state_dict under torch.inference_mode, then a forward and backward outside."""
+    torch.manual_seed(0)
+
+    def build():
+        model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 8))
+        with torch.inference_mode():
+            qfp8.quantize(model, activations="static")
+        return model
+
+    model = build()
+    with torch.inference_mode(), qfp8.calibrate(model):
+        model(torch.randn(4, 16))
+    copy_ = build()
+    with torch.inference_mode():
+        qfp8.load_state_dict(copy_, model.state_dict())
+    for m in (model, copy_):
+        assert not [name for name, t in m.state_dict().items() if t.is_inference()]
+        x = torch.randn(3, 16, requires_grad=True)
+        m(x).sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
