@@ -91,7 +91,8 @@ class QuantizeResult(NamedTuple):
     report: QuantizeReport
 
 
-def _excluded_by(name: str, patterns) -> str | None:
+def excluded_by(name: str, patterns) -> str | None:
+    """The first fnmatch pattern of ``patterns`` that excludes the module ``name``, or None."""
     for pattern in patterns:
         # A pattern matches the full dotted name, or its tail ("lm_head"
         # matches "lm_head" and "model.lm_head").
@@ -112,6 +113,16 @@ def _skip_reason(module: nn.Linear) -> str | None:
     if module.weight.numel() == 0:
         return "empty weight"
     return None
+
+
+def unmatched_exclude_notes(patterns, linear_names, model_name: str, caller: str) -> list[str]:
+    """One warning text per pattern of ``patterns`` that excludes none of ``linear_names`` (a typo, most likely)."""
+    return [
+        f"{caller}: exclude pattern {pattern!r} matches no nn.Linear of {model_name}, so it excludes nothing "
+        "(a pattern matches a Linear's full dotted name or its tail, e.g. 'lm_head' or 'model.layers.0.*')"
+        for pattern in patterns
+        if not any(excluded_by(name, (pattern,)) for name in linear_names)
+    ]
 
 
 def _tied_float_holders(model: nn.Module, quantized: list[nn.Module]) -> dict[int, list[str]]:
@@ -240,7 +251,7 @@ def quantize(
             planned[id(module)].aliases.append(name)
             continue
         entry = ReportEntry(name, module.in_features, module.out_features, quantized=False)
-        pattern = _excluded_by(name, exclude)
+        pattern = excluded_by(name, exclude)
         entry.reason = f"excluded by pattern {pattern!r}" if pattern else (_skip_reason(module) or "")
         entry.quantized = not entry.reason
         planned[id(module)] = entry
@@ -263,13 +274,7 @@ def quantize(
                 "to quantize it, give it its own copy of the weight first"
             )
     if user_patterns:
-        for pattern in exclude:
-            if not any(_excluded_by(name, (pattern,)) for name in linear_names):
-                notes.append(
-                    f"quantize: exclude pattern {pattern!r} matches no nn.Linear of {type(model).__name__}, so it "
-                    "excludes nothing (a pattern matches a Linear's full dotted name or its tail, e.g. 'lm_head' "
-                    "or 'model.layers.0.*')"
-                )
+        notes += unmatched_exclude_notes(exclude, linear_names, type(model).__name__, "quantize")
     all_excluded = user_patterns and all(e.reason.startswith("excluded by pattern") for e in report.entries)
     if not report.quantized and not (report.entries and all_excluded):
         why = (

@@ -37,9 +37,9 @@ are held in memory until written (the size of the FP8 checkpoint).
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -51,7 +51,7 @@ from qfp8.checkpoint.readers import open_checkpoint
 from qfp8.checkpoint.safetensors_io import PlannedTensor
 from qfp8.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, carried_files, check_output_directory, write_checkpoint
 from qfp8.nn.scheme import QuantizationScheme
-from qfp8.quantize import KV_CACHE_DTYPES
+from qfp8.quantize import DEFAULT_EXCLUDE, KV_CACHE_DTYPES, excluded_by, unmatched_exclude_notes
 
 CHUNK_ROWS = 1024  # rows quantized at once: bounds the float32 temporaries
 
@@ -101,10 +101,6 @@ def _linear_names(config_dir: Path) -> list[str]:
     return [name for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, torch.nn.Linear)]
 
 
-def _excluded(name: str, patterns) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p) for p in patterns)
-
-
 def stream_quantize(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -112,7 +108,7 @@ def stream_quantize(
     weight_scale_granularity: str = "channel",
     activations: str | None = None,
     activation_scale: str = "token",
-    exclude=("lm_head",),
+    exclude=DEFAULT_EXCLUDE,
     block_size=formats.DEFAULT_BLOCK_SIZE,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
@@ -169,10 +165,16 @@ def stream_quantize(
             checkpoint.config.get("max_position_embeddings"),
         )
     linears = _linear_names(checkpoint.directory)
+    exclude = () if exclude is None else (exclude,) if isinstance(exclude, str) else exclude
+    if exclude is not DEFAULT_EXCLUDE:
+        for note in unmatched_exclude_notes(
+            exclude, linears, checkpoint.config.get("model_type", "the model"), "qfp8 quantize"
+        ):
+            warnings.warn(note, stacklevel=2)
     quantized, ignored = {}, []
     for name in linears:
         stored = plan.tensors.get(name + ".weight")
-        if stored is None or _excluded(name, exclude) or len(stored.file.info(stored.name).shape) != 2:
+        if stored is None or excluded_by(name, exclude) or len(stored.file.info(stored.name).shape) != 2:
             ignored.append(name)  # excluded, or tied to another tensor and not stored
             continue
         if not stored.file.info(stored.name).dtype.is_floating_point:
@@ -354,7 +356,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="choose each FP8 weight and scale for the least output error on the calibration text, layer by "
         "layer (Llama family; same on-disk format)",
     )
-    parser.add_argument("--exclude", nargs="*", default=["lm_head"], help="fnmatch patterns of modules kept in float")
+    parser.add_argument(
+        "--exclude", nargs="*", default=None, help="fnmatch patterns of modules kept in float (default: lm_head)"
+    )
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE)
     parser.add_argument("--no-progress", action="store_true")
 
@@ -367,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
         weight_scale_granularity=args.weight_scale,
         activations=args.activations,
         activation_scale=args.activation_scale,
-        exclude=tuple(args.exclude),
+        exclude=DEFAULT_EXCLUDE if args.exclude is None else tuple(args.exclude),
         block_size=tuple(args.block_size),
         max_shard_size=args.max_shard_size,
         progress=not args.no_progress,

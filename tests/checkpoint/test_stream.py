@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -85,6 +86,19 @@ def test_stream_refuses_to_write_into_its_source(tiny, tmp_path):
     # A folder inside it is another folder.
     assert main(["quantize", str(source), str(source / "fp8"), "--no-progress"]) == 0
     assert qfp8.from_pretrained(source / "fp8") is not None
+
+
+def test_stream_exclude_pattern_matching_nothing_warns(tiny, tmp_path):
+    source = tmp_path / "float"
+    tiny.model().save_pretrained(source)
+    with pytest.warns(UserWarning, match=r"qfp8 quantize: exclude pattern 'lm_haed' matches no nn.Linear"):
+        main(["quantize", str(source), str(tmp_path / "q"), "--no-progress", "--exclude", "lm_haed"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the default, and a pattern that matches, stay quiet
+        main(["quantize", str(source), str(tmp_path / "q2"), "--no-progress"])
+        main(["quantize", str(source), str(tmp_path / "q3"), "--no-progress", "--exclude", "*.down_proj"])
+    excluded = qfp8.from_pretrained(tmp_path / "q3").model.layers[0].mlp.down_proj
+    assert type(excluded) is torch.nn.Linear
 
 
 def test_stream_peak_rss_is_bounded_by_largest_tensor(tiny, tmp_path):
