@@ -1,4 +1,4 @@
-"""Backward formulas for the linear ops: gradients reach ``x`` and the bias, never the FP8 weights.
+"""Backward for the linear ops: gradients reach ``x`` and the bias, never the FP8 weights.
 
 A quantized layer's weights and scales are frozen buffers, so only the input
 (for adapters trained on top of a quantized model, or gradients with respect
@@ -10,10 +10,15 @@ to inputs) and a bias the user made trainable get gradients:
   so the gradient is the one of the same layer with float activations.
 - ``grad_bias = grad_y`` summed over every dimension but the last.
 
-Every linear op of the ``qfp8`` namespace gets the formula, whatever its
-weight layout: each registration names how to get the canonical ``[N, K]``
-FP8 weight back from the op's own arguments. Without it, autograd passed
-over the ops: the layer's share of ``x.grad`` was silently dropped.
+:func:`linear` applies it: a call that needs a gradient goes through
+:class:`_Linear`, an ``autograd.Function``; any other call is the op itself.
+The formula is deliberately not registered on the ops' Autograd dispatch key:
+a Python kernel there runs on every dispatcher call, gradient or not, and
+measured 20-30 us more per call here (about half a small layer's whole
+cost in compiled decode). ``QLinear``, ``Float8WeightTensor`` and the CPU
+kernel's eager entry call :func:`linear`; the reference op, a
+``torch.library.custom_op`` that has a Python autograd kernel anyway, also
+gets the formula for direct calls.
 """
 
 from __future__ import annotations
@@ -41,43 +46,85 @@ def _(grad, weight, weight_scale, block_size):
     return grad.new_empty((grad.shape[0], weight.shape[1]))
 
 
-def _register(op_name: str, layout) -> None:
-    """``layout(inputs) -> (unpack, n, k, block_size)``: the op's ``unpack(weight, n, k)`` op (None when the
-    weight argument is already canonical ``[N, K]``), the layer's sizes and its block size ([] if not block)."""
+def _layout(args) -> tuple:
+    """(N, K, block_size) of a linear op's arguments, told apart by their count (see ``qfp8.library.ops``).
 
+    8: ``scaled_linear`` (canonical [N, K] weight, block_size 6th); 9: ``scaled_mm_linear`` (out_features,
+    in_features, activation, dtype); 10: ``scaled_linear_cpu`` / ``scaled_linear_cuda`` (out_features,
+    in_features, block_size, activation, dtype).
+    """
+    if len(args) == 8:
+        return args[1].shape[0], args[1].shape[1], list(args[5])
+    if len(args) == 9:
+        return args[5], args[6], []
+    if len(args) == 10:
+        return args[5], args[6], list(args[7])
+    raise TypeError(f"qfp8.library.autograd.linear: {len(args)} op arguments; the linear ops take 8, 9 or 10")
+
+
+def _setup(ctx, unpack, args) -> None:
+    x, weight, weight_scale, bias = args[:4]
+    ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.unpack = unpack
+    ctx.n, ctx.k, ctx.block_size = _layout(args)
+    # Frozen buffers, not saved tensors: they may be inference tensors
+    # (made under torch.inference_mode), which save_for_backward refuses.
+    ctx.weight, ctx.weight_scale = weight, weight_scale
+
+
+def _grads(ctx, grad, count: int, x_index: int) -> tuple:
+    """Gradients of the ``count`` inputs, ``x`` at ``x_index`` and the bias 3 after it; None for the others."""
+    grads = [None] * count
+    grad2d = grad.reshape(-1, ctx.n).to(torch.float32)
+    if ctx.needs_input_grad[x_index]:
+        weight = ctx.weight if ctx.unpack is None else ctx.unpack(ctx.weight, ctx.n, ctx.k)
+        grad_x = torch.ops.qfp8.grad_input_linear(grad2d, weight, ctx.weight_scale, ctx.block_size)
+        grads[x_index] = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[x_index + 3]:
+        grads[x_index + 3] = grad2d.sum(0).to(ctx.bias_dtype)
+    return tuple(grads)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(op, unpack, *args):
+        return op(*args)
+
+    @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, weight_scale, bias = inputs[:4]
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.inputs_count = len(inputs)
-        ctx.unpack, ctx.n, ctx.k, ctx.block_size = layout(inputs)
-        ctx.save_for_backward(weight, weight_scale)
+        ctx.count = len(inputs)
+        _setup(ctx, inputs[1], inputs[2:])
 
+    @staticmethod
     def backward(ctx, grad):
-        weight, weight_scale = ctx.saved_tensors
-        grad2d = grad.reshape(-1, ctx.n).to(torch.float32)
-        grads = [None] * ctx.inputs_count
-        if ctx.needs_input_grad[0]:
-            canonical = weight if ctx.unpack is None else ctx.unpack(weight, ctx.n, ctx.k)
-            grad_x = torch.ops.qfp8.grad_input_linear(grad2d, canonical, weight_scale, list(ctx.block_size))
-            grads[0] = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
-            grads[3] = grad2d.sum(0).to(ctx.bias_dtype)
-        return tuple(grads)
-
-    torch.library.register_autograd(op_name, backward, setup_context=setup_context)
+        return _grads(ctx, grad, ctx.count, 2)  # inputs: op, unpack, x, weight, weight_scale, bias, ...
 
 
-def register_linear_backwards() -> None:
-    """Registers the backward of every linear op defined in this process (reference, CPU, CUDA routes)."""
-    # (x, weight, weight_scale, bias, input_scale, block_size, activation, activation_dtype)
-    _register("qfp8::scaled_linear", lambda i: (None, i[1].shape[0], i[1].shape[1], i[5]))
-    # (x, packed_weight, weight_scale, bias, input_scale, out_features, in_features, block_size, activation, dtype)
-    packed_ops = {"scaled_linear_cpu": "unpack_weight_cpu", "scaled_linear_cuda": "unpack_weight_cuda"}
-    for op, unpack in packed_ops.items():
-        if hasattr(torch.ops.qfp8, op):
-            unpack_op = getattr(torch.ops.qfp8, unpack)
-            _register(f"qfp8::{op}", lambda i, unpack_op=unpack_op: (unpack_op, i[5], i[6], i[7]))
-    # (x, padded weight, weight_scale, bias, input_scale, out_features, in_features, activation, dtype)
-    if hasattr(torch.ops.qfp8, "scaled_mm_linear"):
-        _register("qfp8::scaled_mm_linear", lambda i: (torch.ops.qfp8.unpack_weight_scaled_mm, i[5], i[6], []))
+def needs_grad(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+
+
+def linear(op, unpack, *args):
+    """``op(*args)`` for a linear op of the ``qfp8`` namespace, differentiable in ``x`` and the bias.
+
+    ``unpack(weight, out_features, in_features)`` gives the canonical ``[N, K]``
+    FP8 weight back from the op's layout (the kernel's ``LinearKernel.unpack``;
+    None when the weight argument is canonical already).
+    """
+    if needs_grad(args[0], args[3]):
+        _layout(args)  # a TypeError for arguments of no linear op, before any work
+        return _Linear.apply(op, unpack, *args)
+    return op(*args)
+
+
+def _reference_setup_context(ctx, inputs, output):
+    ctx.count = len(inputs)
+    _setup(ctx, None, inputs)
+
+
+def register_reference_backward() -> None:
+    """Direct calls of the reference op (a custom op, which has an autograd kernel anyway) get the formula too."""
+    torch.library.register_autograd(
+        "qfp8::scaled_linear", lambda ctx, grad: _grads(ctx, grad, ctx.count, 0), setup_context=_reference_setup_context
+    )

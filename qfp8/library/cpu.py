@@ -38,7 +38,10 @@ import torch
 
 from qfp8 import formats
 from qfp8.ext import load_cpu_extension
-from qfp8.library import ops  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
+from qfp8.library import (
+    autograd,
+    ops,  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
+)
 from qfp8.library.ops import ACTIVATION_MODES
 from qfp8.library.routing import KernelRequest, LinearKernel, register_kernel
 
@@ -115,12 +118,23 @@ def _(x, packed_weight, weight_scale, bias, input_scale, out_features, in_featur
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def _eager_fallback(*args):
+    """Every call the eager entry hands back: the op, through autograd.linear when a gradient is needed."""
+    op = torch.ops.qfp8.scaled_linear_cpu.default
+    if len(args) == 10 and isinstance(args[0], torch.Tensor):
+        with torch._C.DisableTorchFunction():  # the check is no call a torch function mode should see
+            grad = autograd.needs_grad(args[0], args[3] if isinstance(args[3], torch.Tensor) else None)
+        if grad:
+            return autograd.linear(op, torch.ops.qfp8.unpack_weight_cpu.default, *args)
+    return op(*args)
+
+
 _EXTENSION = load_cpu_extension()
 if _EXTENSION is not None:
     # QLinear's eager fast path calls qfp8._C.scaled_linear_cpu_eager, which
     # parses its arguments itself (7 us less per call than torch.ops' boxing)
     # and hands any call that needs the dispatcher to the op.
-    _EXTENSION._set_eager_fallback(torch.ops.qfp8.scaled_linear_cpu.default, torch.nn.Parameter)
+    _EXTENSION._set_eager_fallback(_eager_fallback, torch.nn.Parameter)
 
 if _EXTENSION is None:
     # No compiled kernel: the op still has its meaning (unpack, then the

@@ -47,7 +47,10 @@ import torch
 import torch.nn.functional as F
 
 from qfp8 import formats
-from qfp8.library import ops  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
+from qfp8.library import (
+    autograd,
+    ops,  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
+)
 from qfp8.library.ops import ACTIVATION_MODES, reference_activation
 from qfp8.library.routing import KernelRequest, LinearKernel, register_kernel
 
@@ -229,6 +232,17 @@ def _kernel_input(x2d: torch.Tensor, in_features: int) -> torch.Tensor:
     return x2d
 
 
+def _refuse_gradient(op: str, x: torch.Tensor, bias: torch.Tensor | None) -> None:
+    # The ops have no Autograd kernel (a Python one costs every call tens of
+    # us): a direct call that needs a gradient would silently get none.
+    if autograd.needs_grad(x, bias):
+        raise NotImplementedError(
+            f"qfp8::{op} called directly is not differentiable; call qfp8.library.autograd.linear("
+            f"torch.ops.qfp8.{op}.default, ...) (QLinear and Float8WeightTensor do) for gradients with respect to "
+            "x and the bias"
+        )
+
+
 def _scaled_linear_cuda(
     x: torch.Tensor,
     packed_weight: torch.Tensor,
@@ -241,6 +255,7 @@ def _scaled_linear_cuda(
     activation: str,
     activation_dtype: torch.dtype,
 ) -> torch.Tensor:
+    _refuse_gradient("scaled_linear_cuda", x, bias)
     if x.dtype not in HALF_DTYPES:  # the kernel computes in fp16/bf16 only
         weight = unpack_weight_cuda(packed_weight, out_features, in_features)
         return torch.ops.qfp8.scaled_linear(
@@ -331,6 +346,7 @@ def _scaled_mm_linear(
     activation: str,
     activation_dtype: torch.dtype,
 ) -> torch.Tensor:
+    _refuse_gradient("scaled_mm_linear", x, bias)
     x2d = x.reshape(-1, in_features)
     padded_n, padded_k = weight.shape
     q, activation_scale = quantize_for_scaled_mm(x2d, activation, activation_dtype, input_scale, padded_k)

@@ -30,6 +30,7 @@ from torch.nn.modules import module as _module
 
 from qfp8 import formats, rounding
 from qfp8.library import kernel_by_name, select_kernel
+from qfp8.library.autograd import linear, needs_grad
 from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.tensor import Float8WeightTensor
@@ -249,6 +250,7 @@ class QLinear(nn.Module):
         op = kernel.op
         self._kernel_op = op.default if isinstance(op, torch._ops.OpOverloadPacket) else op
         self._eager_op = kernel.eager_op
+        self._unpack = kernel.unpack
         self._extra_args = kernel.extra_args(self.kernel_request())
         self._bind_op()
 
@@ -278,7 +280,7 @@ class QLinear(nn.Module):
 
     # Bound ops (dispatcher entries) do not pickle; they are bound again
     # from the kernel's name on the way back.
-    _UNPICKLED = ("_fast", "_fast_op", "_op", "_kernel_op", "_eager_op")
+    _UNPICKLED = ("_fast", "_fast_op", "_op", "_kernel_op", "_eager_op", "_unpack")
 
     def __getstate__(self):
         state = {key: value for key, value in super().__getstate__().items() if key not in self._UNPICKLED}
@@ -390,6 +392,15 @@ class QLinear(nn.Module):
             fast is not None
             and len(args) == 1
             and not kwargs
+            # A call that needs a gradient takes forward (autograd.linear); the
+            # CPU eager entry would hand it there too, other kernels' would not.
+            and not (
+                torch.is_grad_enabled()
+                and (
+                    getattr(args[0], "requires_grad", False)
+                    or ((bias := state["_parameters"]["bias"]) is not None and bias.requires_grad)
+                )
+            )
             and not (
                 _global_forward_hooks
                 or _global_forward_pre_hooks
@@ -444,15 +455,12 @@ class QLinear(nn.Module):
         # Buffers read from their dicts directly: nn.Module.__getattr__ costs
         # about a microsecond per lookup, a sizeable part of a small M=1 layer.
         buffers = self._buffers
+        op, bias = self._op, self._parameters["bias"]
         try:
-            return self._op(
-                x,
-                buffers["qweight"],
-                buffers["weight_scale"],
-                self._parameters["bias"],
-                buffers["input_scale"],
-                *self._extra_args,
-            )
+            if op is self._kernel_op and needs_grad(x, bias):
+                args = (x, buffers["qweight"], buffers["weight_scale"], bias, buffers["input_scale"], *self._extra_args)
+                return linear(op, self._unpack, *args)
+            return op(x, buffers["qweight"], buffers["weight_scale"], bias, buffers["input_scale"], *self._extra_args)
         except RuntimeError as error:
             problem = self._input_error(x)
             if problem is None:

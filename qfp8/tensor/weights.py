@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from qfp8 import formats
+from qfp8.library import autograd
 from qfp8.library.routing import KernelRequest, kernel_by_name
 from qfp8.tensor.base import Float8Tensor
 
@@ -122,7 +123,8 @@ def _linear(x: torch.Tensor, weight: Float8WeightTensor, bias: torch.Tensor | No
         )
     kernel = kernel_by_name(weight.packing)
     request = weight.kernel_request()
-    y = kernel.op(x, weight.qdata, weight.scale, bias, None, *kernel.extra_args(request))
+    args = (x, weight.qdata, weight.scale, bias, None, *kernel.extra_args(request))
+    y = autograd.linear(kernel.op, kernel.unpack, *args)
     return y.to(out_dtype)
 
 

@@ -1,4 +1,9 @@
-"""Backward through the linear ops (qfp8/library/autograd.py): x and bias get gradients, the FP8 weights none."""
+"""Backward through the linear ops (qfp8/library/autograd.py): x and bias get gradients, the FP8 weights none.
+
+Every op is differentiable through ``autograd.linear`` (what QLinear and
+Float8WeightTensor call); the reference op also when called directly, the
+kernels' ops refuse a direct call that needs a gradient.
+"""
 
 import pytest
 import torch
@@ -6,7 +11,7 @@ from torch import nn
 
 import qfp8
 from qfp8 import formats
-from qfp8.library import cpu
+from qfp8.library import autograd, cpu
 from qfp8.library.testing import opcheck
 
 N, K = 40, 33
@@ -19,14 +24,27 @@ def _layer(granularity, block_size=(16, 8)):
 
 
 def _ops(q, block_size):
-    """name -> (op, weight argument, the op's arguments after input_scale) for every linear op."""
-    ops = {"reference": (torch.ops.qfp8.scaled_linear, q, (block_size,))}
+    """name -> (op, unpack, weight argument, the op's arguments after input_scale) for every linear op."""
+    ops = {"reference": (torch.ops.qfp8.scaled_linear, None, q, (block_size,))}
     if cpu.cpu_kernel_isa() is not None:
-        ops["cpu"] = (torch.ops.qfp8.scaled_linear_cpu, torch.ops.qfp8.pack_weight_cpu(q), (N, K, block_size))
+        packed = torch.ops.qfp8.pack_weight_cpu(q)
+        ops["cpu"] = (torch.ops.qfp8.scaled_linear_cpu, torch.ops.qfp8.unpack_weight_cpu, packed, (N, K, block_size))
     # The CUDA routes' CPU implementations (emulations with the same contract).
-    ops["cuda-marlin"] = (torch.ops.qfp8.scaled_linear_cuda, torch.ops.qfp8.pack_weight_cuda(q), (N, K, block_size))
+    packed = torch.ops.qfp8.pack_weight_cuda(q)
+    ops["cuda-marlin"] = (
+        torch.ops.qfp8.scaled_linear_cuda,
+        torch.ops.qfp8.unpack_weight_cuda,
+        packed,
+        (N, K, block_size),
+    )
     if not block_size:
-        ops["cuda-scaled-mm"] = (torch.ops.qfp8.scaled_mm_linear, torch.ops.qfp8.pack_weight_scaled_mm(q), (N, K))
+        packed = torch.ops.qfp8.pack_weight_scaled_mm(q)
+        ops["cuda-scaled-mm"] = (
+            torch.ops.qfp8.scaled_mm_linear,
+            torch.ops.qfp8.unpack_weight_scaled_mm,
+            packed,
+            (N, K),
+        )
     return ops
 
 
@@ -42,12 +60,12 @@ def test_grad_x_and_bias_match_float64(granularity, activation, dtype):
     want_x = (grad_y.double().reshape(-1, N) @ w).reshape(2, 3, K)
     want_bias = grad_y.double().reshape(-1, N).sum(0)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    for name, (op, weight, tail) in _ops(q, block_size).items():
+    for name, (op, unpack, weight, tail) in _ops(q, block_size).items():
         if name == "cuda-scaled-mm" and activation == "none":
             continue  # _scaled_mm takes FP8 activations only
         x = x0.clone().requires_grad_()
         bias = torch.randn(N).to(dtype).requires_grad_()
-        y = op(x, weight, scale, bias, None, *tail, activation, torch.float8_e4m3fn)
+        y = autograd.linear(op, unpack, x, weight, scale, bias, None, *tail, activation, torch.float8_e4m3fn)
         y.backward(grad_y)
         for got, want, what in ((x.grad, want_x, "x"), (bias.grad, want_bias, "bias")):
             assert got is not None and got.dtype == dtype, f"{name}: no {dtype} gradient for {what}"
@@ -58,17 +76,32 @@ def test_grad_x_and_bias_match_float64(granularity, activation, dtype):
 def test_no_gradient_is_asked_for_the_weight_or_scales():
     q, scale, block_size = _layer("channel")
     x = torch.randn(3, K, requires_grad=True)
-    for name, (op, weight, tail) in _ops(q, block_size).items():
-        y = op(x, weight, scale, None, None, *tail, "token", torch.float8_e4m3fn)
+    for name, (op, unpack, weight, tail) in _ops(q, block_size).items():
+        y = autograd.linear(op, unpack, x, weight, scale, None, None, *tail, "token", torch.float8_e4m3fn)
         (grad_x,) = torch.autograd.grad(y.sum(), x)
         assert torch.isfinite(grad_x).all() and grad_x.abs().sum() > 0, name
 
 
-def test_opcheck_autograd_registration():
+def test_direct_calls_reference_differentiates_kernels_refuse():
     q, scale, block_size = _layer("channel")
     x = torch.randn(3, K, requires_grad=True)
-    for op, weight, tail in _ops(q, block_size).values():
-        opcheck(op, (x, weight, scale, None, None, *tail, "token", torch.float8_e4m3fn))
+    for name, (op, unpack, weight, tail) in _ops(q, block_size).items():
+        args = (x, weight, scale, None, None, *tail, "token", torch.float8_e4m3fn)
+        if name == "reference":
+            opcheck(op, args)  # test_autograd_registration included
+            (grad_x,) = torch.autograd.grad(op(*args).sum(), x)
+            (want,) = torch.autograd.grad(autograd.linear(op, unpack, *args).sum(), x)
+            assert torch.equal(grad_x, want)
+        else:
+            with pytest.raises(NotImplementedError, match="not differentiable; call qfp8.library.autograd.linear"):
+                op(*args)
+            with torch.no_grad():
+                assert op(*args).shape == (3, N)  # no gradient asked: fine
+
+
+def test_linear_refuses_arguments_of_no_linear_op():
+    with pytest.raises(TypeError, match="5 op arguments; the linear ops take 8, 9 or 10"):
+        autograd.linear(torch.ops.aten.mm.default, None, torch.randn(2, 3, requires_grad=True), None, None, None, None)
 
 
 def test_quantized_model_backward_reaches_the_input_eager_and_compiled():

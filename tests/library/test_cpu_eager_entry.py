@@ -113,12 +113,21 @@ def test_tensor_subclass_keeps_its_type():
     assert torch.equal(got.as_subclass(torch.Tensor), OP(*args).as_subclass(torch.Tensor))
 
 
-def test_autograd_behaves_as_the_op():
+def test_autograd_goes_through_autograd_linear():
+    """A call that needs a gradient is differentiable (the op called directly refuses it)."""
+    from qfp8.library import autograd
+
     x = torch.randn(2, 32, requires_grad=True)
     args = layer_args(x)
-    got, expected = eager(*args), OP(*args)
-    assert got.requires_grad == expected.requires_grad
+    got = eager(*args)
+    expected = autograd.linear(OP, torch.ops.qfp8.unpack_weight_cpu.default, *args)
+    assert got.requires_grad and expected.requires_grad
     assert torch.equal(got.detach(), expected.detach())
+    (grad_got,) = torch.autograd.grad(got.sum(), x)
+    (grad_expected,) = torch.autograd.grad(expected.sum(), x)
+    assert torch.equal(grad_got, grad_expected) and grad_got.abs().sum() > 0
+    with pytest.raises(NotImplementedError, match="not differentiable"):
+        OP(*args)
     with torch.no_grad():
         assert not eager(*args).requires_grad
 

@@ -458,6 +458,13 @@ at::Tensor scaled_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
                              int64_t out_features, int64_t in_features, at::IntArrayRef block_size,
                              c10::string_view activation, at::ScalarType activation_dtype) {
   TORCH_CHECK(x.dim() >= 1, "qfp8::scaled_linear_cpu: x must have at least one dimension, got a scalar");
+  // The op has no Autograd kernel (one in Python would cost every call tens
+  // of us): a direct call that needs a gradient would silently get none.
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(c10::GradMode::is_enabled() && (x.requires_grad() || (bias && bias->requires_grad()))),
+      "qfp8::scaled_linear_cpu called directly is not differentiable; call "
+      "qfp8.library.autograd.linear(torch.ops.qfp8.scaled_linear_cpu.default, ...) (QLinear and "
+      "Float8WeightTensor do) for gradients with respect to x and the bias");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
   at::Tensor out = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
