@@ -11,6 +11,7 @@ slow path.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import torch
@@ -43,6 +44,21 @@ class Float8Tensor(torch.Tensor):
     def __tensor_unflatten__(cls, inner_tensors, attributes, outer_size, outer_stride):
         fields = [inner_tensors[name] for name in cls.tensor_data_names]
         return cls(*fields, *attributes)
+
+    def _stable_hash_for_caching(self) -> str:
+        """AOT autograd's cache key for this tensor: its type, layout and attributes, not its values.
+
+        What torch's default computes for a traceable subclass, without the
+        warning it gives every compile of a subclass that lacks this method.
+        """
+        inner = [
+            (name, tuple(t.shape), str(t.dtype), str(t.device), tuple(t.stride()))
+            for name in self.tensor_data_names
+            for t in [getattr(self, name)]
+        ]
+        attributes = tuple(getattr(self, name) for name in self.tensor_attribute_names)
+        payload = repr((type(self).__qualname__, tuple(self.shape), self.requires_grad, attributes, inner))
+        return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
 
     # ---- op routing
     @classmethod

@@ -102,3 +102,19 @@ def test_compile_traces_through_weight_subclass(weight):
     x = torch.randn(3, 80)
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x, w), f(x, w))
+
+
+def test_stable_hash_for_caching_follows_layout_not_values(weight):
+    """AOT autograd's cache key (and no 'does not implement _stable_hash_for_caching' warning on compile)."""
+    a = Float8WeightTensor.from_float(weight.float())
+    b = Float8WeightTensor.from_float(torch.randn_like(weight).float())
+    assert a._stable_hash_for_caching() == b._stable_hash_for_caching()
+    for other in (
+        Float8WeightTensor.from_float(weight[:, :64].float()),
+        Float8WeightTensor.from_float(weight.float(), dtype=torch.float8_e5m2),
+        Float8WeightTensor.from_float(weight.float(), granularity="tensor"),
+        a.t(),
+    ):
+        assert other._stable_hash_for_caching() != a._stable_hash_for_caching()
+    activation = Float8ActivationTensor.quantize(torch.randn(3, 80))
+    assert len(activation._stable_hash_for_caching()) == 32
