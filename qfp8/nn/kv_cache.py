@@ -259,7 +259,33 @@ class Float8DynamicSlidingWindowLayer(_Float8DynamicMixin, DynamicSlidingWindowL
 
 
 class _Float8StaticMixin(_Float8LayerMixin):
-    """Shared by the preallocated FP8 layers (full and sliding-window): static buffers, stats filled in place."""
+    """Shared by the preallocated FP8 layers (full and sliding-window): static buffers, stats filled in place.
+
+    The buffers are held as bytes (``key_bytes``, ``value_bytes``) and ``keys`` /
+    ``values`` are their FP8 views, made on each access: the writes go to
+    the bytes (``index_copy_`` has no FP8 kernel), and a compiled graph then
+    sees one tensor per buffer (inductor cannot write through a dtype view of
+    an FP8 buffer made inside the graph, and AOT autograd refuses two inputs
+    of different dtypes on one storage when one is written).
+    """
+
+    key_bytes = value_bytes = None
+
+    @property
+    def keys(self):
+        return None if self.key_bytes is None else self.key_bytes.view(self.fp8_dtype)
+
+    @keys.setter
+    def keys(self, value):
+        self.key_bytes = None if value is None else value.view(torch.uint8)
+
+    @property
+    def values(self):
+        return None if self.value_bytes is None else self.value_bytes.view(self.fp8_dtype)
+
+    @values.setter
+    def values(self, value):
+        self.value_bytes = None if value is None else value.view(torch.uint8)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -267,8 +293,11 @@ class _Float8StaticMixin(_Float8LayerMixin):
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
         shape = (self.batch_size, self.num_heads, self.max_cache_len)
-        self.keys = torch.zeros(*shape, self.k_head_dim, dtype=self.fp8_dtype, device=self.device)
-        self.values = torch.zeros(*shape, self.v_head_dim, dtype=self.fp8_dtype, device=self.device)
+        # Byte buffers viewed as FP8: the writes go to the bytes (index_copy_ has
+        # no FP8 kernel), and inductor cannot write through a dtype view of an
+        # FP8 buffer made inside a compiled graph (a compiled first call).
+        self.key_bytes = torch.zeros(*shape, self.k_head_dim, dtype=torch.uint8, device=self.device)
+        self.value_bytes = torch.zeros(*shape, self.v_head_dim, dtype=torch.uint8, device=self.device)
         scale_shape = (self.batch_size, self.num_heads, 1, 1)
         self.key_scale = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
         self.value_scale = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
@@ -276,7 +305,8 @@ class _Float8StaticMixin(_Float8LayerMixin):
             self.key_mean = torch.zeros(self.batch_size, self.num_heads, 1, self.k_head_dim, device=self.device)
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not torch.compiler.is_compiling():
-            for tensor in (self.keys, self.values, self.cumulative_length, self.key_scale, self.value_scale):
+            static = (self.key_bytes, self.value_bytes, self.cumulative_length, self.key_scale, self.value_scale)
+            for tensor in static:
                 torch._dynamo.mark_static_address(tensor)
             if self.key_mean is not None:
                 torch._dynamo.mark_static_address(self.key_mean)
@@ -300,14 +330,14 @@ class _Float8StaticMixin(_Float8LayerMixin):
         """Writes FP8 states at ``cumulative_length`` in place and advances it."""
         length = new_keys.shape[-2]
         position = torch.arange(length, device=self.device) + self.cumulative_length
-        # index_copy_ has no FP8 kernel; the byte view writes the same storage.
-        self.keys.view(torch.uint8).index_copy_(2, position, new_keys.view(torch.uint8))
-        self.values.view(torch.uint8).index_copy_(2, position, new_values.view(torch.uint8))
+        self.key_bytes.index_copy_(2, position, new_keys.view(torch.uint8))
+        self.value_bytes.index_copy_(2, position, new_values.view(torch.uint8))
         self.cumulative_length.add_(length)
 
     def dequantized(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """States ``update`` returned, in the model dtype; of the whole buffer, eager converts only the filled part."""
-        if torch.compiler.is_compiling() or keys is not self.keys:
+        whole_buffer = keys.shape == self.key_bytes.shape and keys.data_ptr() == self.key_bytes.data_ptr()
+        if torch.compiler.is_compiling() or not whole_buffer:
             return self._read(keys, values)
         # Eager: dequantize only the filled prefix; the zeros behind it are masked out.
         filled = min(int(self.get_seq_length()), self.max_cache_len)
@@ -317,14 +347,14 @@ class _Float8StaticMixin(_Float8LayerMixin):
 
     def reset(self) -> None:
         if self.is_initialized:
-            self.keys.view(torch.uint8).zero_()
-            self.values.view(torch.uint8).zero_()
+            self.key_bytes.zero_()
+            self.value_bytes.zero_()
         self.cumulative_length.zero_()
         self.needs_stats = True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
-            for name in ("keys", "values", "key_scale", "value_scale", "key_mean"):
+            for name in ("key_bytes", "value_bytes", "key_scale", "value_scale", "key_mean"):
                 tensor = getattr(self, name)
                 if tensor is not None:
                     tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
@@ -369,8 +399,7 @@ class Float8StaticSlidingWindowLayer(_Float8StaticMixin, StaticSlidingWindowLaye
             self._write(new_keys, new_values)
             return self._returned(self.keys, self.values)
         if stored >= self.max_cache_len and length == 1:
-            for buffer, new in ((self.keys, new_keys), (self.values, new_values)):
-                data = buffer.view(torch.uint8)
+            for data, new in ((self.key_bytes, new_keys), (self.value_bytes, new_values)):
                 data.copy_(data.roll(-1, dims=-2))
                 data[:, :, -1:].copy_(new.view(torch.uint8))
             return self._returned(self.keys, self.values)
@@ -378,8 +407,8 @@ class Float8StaticSlidingWindowLayer(_Float8StaticMixin, StaticSlidingWindowLaye
         kept = slice(1, None) if stored >= self.max_cache_len else slice(0, stored)
         keys = torch.cat([self.keys[:, :, kept], new_keys], dim=-2)
         values = torch.cat([self.values[:, :, kept], new_values], dim=-2)
-        self.keys.view(torch.uint8).copy_(keys[:, :, -self.max_cache_len :].view(torch.uint8))
-        self.values.view(torch.uint8).copy_(values[:, :, -self.max_cache_len :].view(torch.uint8))
+        self.key_bytes.copy_(keys[:, :, -self.max_cache_len :].view(torch.uint8))
+        self.value_bytes.copy_(values[:, :, -self.max_cache_len :].view(torch.uint8))
         return self._returned(keys, values)
 
     def reset(self) -> None:
