@@ -60,6 +60,7 @@ layer at a time (never the whole cache):
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 
@@ -117,6 +118,17 @@ class _Float8LayerMixin:
         self.value_scale: torch.Tensor | None = None
         self.key_mean: torch.Tensor | None = None  # [B, H, 1, D] when centering
         self.out_dtype: torch.dtype | None = None
+
+    def __deepcopy__(self, memo):
+        # A copied cache (transformers' prompt reuse: deepcopy a filled cache,
+        # generate from the copy) serves the same model: its attention module
+        # is shared, not copied with the model's weights.
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        memo.setdefault(id(self.attention), self.attention)
+        for name, value in self.__dict__.items():
+            copied.__dict__[name] = copy.deepcopy(value, memo)
+        return copied
 
     def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         k_scale, v_scale = self.attention.k_scale, self.attention.v_scale

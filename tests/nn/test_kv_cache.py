@@ -509,3 +509,28 @@ def test_compiled_forward_from_the_first_call_with_a_static_cache():
     model.forward = torch.compile(model.forward)
     compiled = model.generate(prompt, max_new_tokens=8, do_sample=False, cache_implementation="static")
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
+def test_deepcopied_cache_serves_the_same_model(cache_class):
+    """transformers' prompt reuse: deepcopy a filled cache, generate from the copy, the original stays as it was."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    qfp8.quantize(model, kv_cache="float8_e4m3fn")
+    prompt = torch.randint(0, 128, (1, 10))
+    kwargs = {"config": model.config} if cache_class is DynamicCache else {"config": model.config, "max_cache_len": 32}
+    prompt_cache = cache_class(**kwargs)
+    with torch.no_grad():
+        model(prompt, past_key_values=prompt_cache, use_cache=True)
+    full = torch.cat([prompt, torch.randint(0, 128, (1, 3))], 1)
+    outputs = []
+    for _ in range(2):
+        copied = copy.deepcopy(prompt_cache)
+        assert copied.layers[0].attention is model.model.layers[0].self_attn
+        outputs.append(model.generate(full, past_key_values=copied, max_new_tokens=5, do_sample=False))
+    assert torch.equal(outputs[0], outputs[1])  # the original cache was not advanced by the first generate
+    assert prompt_cache.get_seq_length() == 10
