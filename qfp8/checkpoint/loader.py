@@ -234,6 +234,10 @@ def _key_mismatches(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[l
             return id(owner), leaf  # its "weight" entry is unpacked afresh for each name
         return id(expected[key]) if ties else key
 
+    # A static layer's input_scale is part of its state even before calibration (its slot is empty then).
+    for name, module in modules.items():
+        if isinstance(module, QLinear) and module.scheme.activations == "static":
+            expected.setdefault(f"{name}.input_scale" if name else "input_scale", None)
     loaded = {identity(key) for key in state if key in expected}
     missing = [key for key in expected if key not in state and identity(key) not in loaded]
     unexpected = [key for key in state if key not in expected and not _empty_buffer_slot(model, key)]

@@ -407,6 +407,19 @@ def test_load_state_dict_is_strict_as_torch_is(tiny, x):
     assert torch.equal(after["model.norm.weight"], state["model.norm.weight"])
 
 
+def test_strict_load_into_an_uncalibrated_static_model_needs_its_input_scales(tiny):
+    """An uncalibrated static layer's input_scale slot is empty, so the model's state_dict has no entry for it."""
+    source = quantized_model(tiny, SCHEMES["w-tensor-a-static"])
+    target = tiny.model(seed=7)
+    qfp8.quantize(target, weight_scale="tensor", activations="static")
+    state = source.state_dict()
+    del state["model.layers.1.self_attn.k_proj.input_scale"]
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) .*: model\.layers\.1\.self_attn\.k_proj\.input_scale"):
+        qfp8.load_state_dict(target, state)
+    qfp8.load_state_dict(target, source.state_dict())
+    assert all(m.is_calibrated for m in target.modules() if isinstance(m, qfp8.QLinear))
+
+
 def test_load_state_dict_of_a_saved_tied_model(tiny, tmp_path, x):
     from safetensors.torch import load_file
 
