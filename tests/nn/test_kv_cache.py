@@ -525,12 +525,12 @@ def test_deepcopied_cache_serves_the_same_model(cache_class):
     kwargs = {"config": model.config} if cache_class is DynamicCache else {"config": model.config, "max_cache_len": 32}
     prompt_cache = cache_class(**kwargs)
     with torch.no_grad():
-        model(prompt, past_key_values=prompt_cache, use_cache=True)
+        model(prompt, cache=prompt_cache, use_cache=True)
     full = torch.cat([prompt, torch.randint(0, 128, (1, 3))], 1)
     outputs = []
     for _ in range(2):
         copied = copy.deepcopy(prompt_cache)
         assert copied.layers[0].attention is model.model.layers[0].self_attn
-        outputs.append(model.generate(full, past_key_values=copied, max_new_tokens=5, do_sample=False))
+        outputs.append(model.generate(full, cache=copied, max_new_tokens=5, do_sample=False))
     assert torch.equal(outputs[0], outputs[1])  # the original cache was not advanced by the first generate
     assert prompt_cache.get_seq_length() == 10
