@@ -91,6 +91,13 @@ class QuantizeResult(NamedTuple):
     report: QuantizeReport
 
 
+def exclude_patterns(exclude) -> tuple:
+    """``exclude`` as a tuple of patterns: None is none, a string one pattern."""
+    if exclude is None:
+        return ()
+    return (exclude,) if isinstance(exclude, str) else tuple(exclude)
+
+
 def excluded_by(name: str, patterns) -> str | None:
     """The first fnmatch pattern of ``patterns`` that excludes the module ``name``, or None."""
     for pattern in patterns:
@@ -218,10 +225,7 @@ def quantize(
     scheme = QuantizationScheme.from_args(weights, weight_scale, activations, activation_scale, block_size)
     rounding.check_mode(accuracy)
     user_patterns = exclude is not DEFAULT_EXCLUDE
-    if exclude is None:
-        exclude = ()
-    elif isinstance(exclude, str):
-        exclude = (exclude,)
+    exclude = exclude_patterns(exclude)
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, QLinear):
             raise ValueError(

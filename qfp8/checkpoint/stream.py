@@ -51,7 +51,7 @@ from qfp8.checkpoint.readers import open_checkpoint
 from qfp8.checkpoint.safetensors_io import PlannedTensor
 from qfp8.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, carried_files, check_output_directory, write_checkpoint
 from qfp8.nn.scheme import QuantizationScheme
-from qfp8.quantize import DEFAULT_EXCLUDE, KV_CACHE_DTYPES, excluded_by, unmatched_exclude_notes
+from qfp8.quantize import DEFAULT_EXCLUDE, KV_CACHE_DTYPES, exclude_patterns, excluded_by, unmatched_exclude_notes
 
 CHUNK_ROWS = 1024  # rows quantized at once: bounds the float32 temporaries
 
@@ -165,8 +165,9 @@ def stream_quantize(
             checkpoint.config.get("max_position_embeddings"),
         )
     linears = _linear_names(checkpoint.directory)
-    exclude = () if exclude is None else (exclude,) if isinstance(exclude, str) else exclude
-    if exclude is not DEFAULT_EXCLUDE:
+    user_patterns = exclude is not DEFAULT_EXCLUDE
+    exclude = exclude_patterns(exclude)
+    if user_patterns:
         for note in unmatched_exclude_notes(
             exclude, linears, checkpoint.config.get("model_type", "the model"), "qfp8 quantize"
         ):

@@ -240,9 +240,9 @@ def _self_check_cases():
     Each FP8 format x each scale kind (tensor, channel, block with an even
     and an odd k block) runs M = 1 (the streamed row), M = 3 (a few rows at
     once) and M = 9 (the converted panel: one full register block of rows
-    and a tail, for 6- and 8-row blocks alike); the activation modes and the dtype of x cycle with periods (7 and
-    4) prime to the 3 of M, so that every mode meets every M. N and K have
-    tails.
+    and a tail, for 6- and 8-row blocks alike); the activation modes and the
+    dtype of x cycle with periods (7 and 4) prime to the 3 of M, so that
+    every mode meets every M. N and K have tails.
     """
     generator = torch.Generator().manual_seed(20261130)
     n, k = 45, 37

@@ -270,6 +270,19 @@ class Float8DynamicSlidingWindowLayer(_Float8DynamicMixin, DynamicSlidingWindowL
         return self._returned(keys, values)
 
 
+def _fp8_view_of(bytes_name: str) -> property:
+    """An attribute that reads as the FP8 view of the byte buffer ``bytes_name`` and stores what it is given as bytes."""
+
+    def get(self):
+        data = getattr(self, bytes_name)
+        return None if data is None else data.view(self.fp8_dtype)
+
+    def put(self, value):
+        setattr(self, bytes_name, None if value is None else value.view(torch.uint8))
+
+    return property(get, put)
+
+
 class _Float8StaticMixin(_Float8LayerMixin):
     """Shared by the preallocated FP8 layers (full and sliding-window): static buffers, stats filled in place.
 
@@ -282,22 +295,8 @@ class _Float8StaticMixin(_Float8LayerMixin):
     """
 
     key_bytes = value_bytes = None
-
-    @property
-    def keys(self):
-        return None if self.key_bytes is None else self.key_bytes.view(self.fp8_dtype)
-
-    @keys.setter
-    def keys(self, value):
-        self.key_bytes = None if value is None else value.view(torch.uint8)
-
-    @property
-    def values(self):
-        return None if self.value_bytes is None else self.value_bytes.view(self.fp8_dtype)
-
-    @values.setter
-    def values(self, value):
-        self.value_bytes = None if value is None else value.view(torch.uint8)
+    keys = _fp8_view_of("key_bytes")
+    values = _fp8_view_of("value_bytes")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device

@@ -419,11 +419,15 @@ class QLinear(nn.Module):
                     *state["_extra_args"],
                 )
             except RuntimeError as error:
-                problem = self._input_error(args[0])
-                if problem is None:
-                    raise
-                raise problem from error
+                self._raise_input_error(args[0], error)
         return super().__call__(*args, **kwargs)
+
+    def _raise_input_error(self, x, error: RuntimeError):
+        """Raises the ValueError / TypeError naming this layer if ``x`` caused the op's ``error``, else ``error``."""
+        problem = self._input_error(x)
+        if problem is None:
+            raise error
+        raise problem from error
 
     def _input_error(self, x) -> Exception | None:
         """The ValueError / TypeError for an input the layer cannot take, or None if the input is not the cause."""
@@ -456,16 +460,13 @@ class QLinear(nn.Module):
         # about a microsecond per lookup, a sizeable part of a small M=1 layer.
         buffers = self._buffers
         op, bias = self._op, self._parameters["bias"]
+        args = (x, buffers["qweight"], buffers["weight_scale"], bias, buffers["input_scale"], *self._extra_args)
         try:
             if op is self._kernel_op and needs_grad(x, bias):
-                args = (x, buffers["qweight"], buffers["weight_scale"], bias, buffers["input_scale"], *self._extra_args)
                 return linear(op, self._unpack, *args)
-            return op(x, buffers["qweight"], buffers["weight_scale"], bias, buffers["input_scale"], *self._extra_args)
+            return op(*args)
         except RuntimeError as error:
-            problem = self._input_error(x)
-            if problem is None:
-                raise
-            raise problem from error
+            self._raise_input_error(x, error)
 
     def _calibration_forward(self, x: torch.Tensor) -> torch.Tensor:
         # The running maximum of every batch seen so far sets the scale used
