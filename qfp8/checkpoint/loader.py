@@ -20,6 +20,7 @@ from torch import nn
 
 from qfp8.checkpoint.readers import CheckpointPlan, check_scale, open_checkpoint
 from qfp8.nn import QLinear, QuantizationScheme
+from qfp8.nn.qlinear import state_spec
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
 KV_SCALE_RENAMES = {".kv_scale": (".k_scale", ".v_scale")}
@@ -136,7 +137,8 @@ def assign_state(model: nn.Module, state: dict[str, torch.Tensor], plan: Checkpo
     ``dtype=torch.bfloat16`` computes in bfloat16. FP8 weights and float32
     scales stay as stored. Errors name the file (when known), the tensor and both sizes.
     """
-    expected = model.state_dict(keep_vars=True)
+    with state_spec():
+        expected = model.state_dict(keep_vars=True)
     unexpected = sorted(key for key in set(state) - set(expected) if not _empty_buffer_slot(model, key))
     if unexpected:
         shown = ", ".join(f"{_where(plan, k)}{k}" for k in unexpected[:5])
@@ -223,7 +225,8 @@ def _key_mismatches(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[l
     An alias is not missing when its tensor is loaded under another name: a
     QLinear shared under two names, or a tied tensor that ``tie_weights`` ties again.
     """
-    expected = model.state_dict(keep_vars=True)
+    with state_spec():
+        expected = model.state_dict(keep_vars=True)
     modules = dict(model.named_modules(remove_duplicate=False))
     ties = callable(getattr(model, "tie_weights", None))
 

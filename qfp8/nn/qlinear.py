@@ -22,6 +22,8 @@ leave the fast path holding a stale tensor.
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import weakref
 
 import torch
@@ -34,6 +36,26 @@ from qfp8.library.autograd import linear, needs_grad
 from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.tensor import Float8WeightTensor
+
+# Set by state_spec(): QLinear's state_dict entry for ``weight`` is then a
+# meta tensor of the right shape and dtype instead of the unpacked weight.
+_STATE_SPEC_ONLY = contextvars.ContextVar("qfp8_state_spec_only", default=False)
+
+
+@contextlib.contextmanager
+def state_spec():
+    """``model.state_dict()`` inside this block describes QLinear weights without unpacking them.
+
+    Their ``weight`` entries are meta tensors (shape and dtype only), so
+    checking a state dict's names and sizes against a large model costs no
+    copy of its weights.
+    """
+    token = _STATE_SPEC_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _STATE_SPEC_ONLY.reset(token)
+
 
 # nn.Module's global hook registries (mutated in place, never rebound): the
 # fast path in QLinear.__call__ must step aside when any hook is registered.
@@ -527,7 +549,11 @@ class QLinear(nn.Module):
 
     # --------------------------------------------------------- state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.canonical_weight()
+        if _STATE_SPEC_ONLY.get():
+            weight = torch.empty(self.out_features, self.in_features, dtype=self.scheme.weight_dtype, device="meta")
+        else:
+            weight = self.canonical_weight()
+        destination[prefix + "weight"] = weight
         destination[prefix + "weight_scale"] = self.weight_scale
         if self.input_scale is not None:
             destination[prefix + "input_scale"] = self.input_scale

@@ -13,6 +13,8 @@ import torch
 
 import qfp8
 from qfp8 import formats
+from qfp8.library import cpu
+from qfp8.library.routing import REFERENCE_KERNEL
 from qfp8.nn import QLinear
 
 SCHEMES = {
@@ -405,6 +407,36 @@ def test_load_state_dict_is_strict_as_torch_is(tiny, x):
     for key in ("model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.k_proj.input_scale"):
         assert torch.equal(after[key].view(torch.uint8), before[key].view(torch.uint8)), key
     assert torch.equal(after["model.norm.weight"], state["model.norm.weight"])
+
+
+@pytest.mark.skipif(cpu.cpu_kernel_isa() is None, reason="needs a packed layout: the qfp8 CPU extension is not built")
+def test_load_state_dict_checks_names_without_unpacking_weights(tiny, x, monkeypatch):
+    """The strict key and size checks describe QLinear weights by shape and dtype: no unpacked copy of the model."""
+    from qfp8.nn.qlinear import state_spec
+
+    source = quantized_model(tiny, SCHEMES["w-channel"])
+    target = tiny.model(seed=7)
+    qfp8.quantize(target)
+    state = source.state_dict()
+    unpacked = []  # modules whose packed weight was unpacked (the reference layout's "unpack" is the identity)
+    original = qfp8.QLinear.canonical_weight
+
+    def counting(self):
+        if self.packing != REFERENCE_KERNEL.name:
+            unpacked.append(self)
+        return original(self)
+
+    monkeypatch.setattr(qfp8.QLinear, "canonical_weight", counting)
+    assert all(m.packing != REFERENCE_KERNEL.name for m in target.modules() if isinstance(m, qfp8.QLinear))
+    qfp8.load_state_dict(target, state)
+    assert unpacked == []
+    with state_spec():
+        spec = target.state_dict()["model.layers.0.mlp.up_proj.weight"]
+    assert spec.device.type == "meta" and spec.dtype == torch.float8_e4m3fn
+    assert tuple(spec.shape) == tuple(state["model.layers.0.mlp.up_proj.weight"].shape)
+    assert target.state_dict()["model.layers.0.mlp.up_proj.weight"].device.type == "cpu"  # scoped to the block
+    with torch.no_grad():
+        assert torch.equal(target(x).logits, source(x).logits)
 
 
 def test_strict_load_into_an_uncalibrated_static_model_needs_its_input_scales(tiny):
