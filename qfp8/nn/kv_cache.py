@@ -347,8 +347,10 @@ class _Float8StaticMixin(_Float8LayerMixin):
 
     def dequantized(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """States ``update`` returned, in the model dtype; of the whole buffer, eager converts only the filled part."""
-        whole_buffer = keys.shape == self.key_bytes.shape and keys.data_ptr() == self.key_bytes.data_ptr()
-        if torch.compiler.is_compiling() or not whole_buffer:
+        # Compiled graphs read the whole buffer (no data_ptr under dynamo, which refuses pointer comparisons).
+        if torch.compiler.is_compiling():
+            return self._read(keys, values)
+        if keys.shape != self.key_bytes.shape or keys.data_ptr() != self.key_bytes.data_ptr():
             return self._read(keys, values)
         # Eager: dequantize only the filled prefix; the zeros behind it are masked out.
         filled = min(int(self.get_seq_length()), self.max_cache_len)

@@ -496,7 +496,7 @@ def test_scales_calibrated_or_loaded_under_inference_mode_work_with_autograd_on(
 
 
 def test_compiled_forward_from_the_first_call_with_a_static_cache():
-    """model.forward compiled before prefill (transformers' recipe): the FP8 buffers are made inside the graph."""
+    """model.forward compiled (fullgraph) before prefill, transformers' recipe: the FP8 buffers are made in the graph."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -506,7 +506,7 @@ def test_compiled_forward_from_the_first_call_with_a_static_cache():
     qfp8.quantize(model, kv_cache="float8_e4m3fn")
     prompt = torch.randint(0, 128, (1, 5))
     eager = model.generate(prompt, max_new_tokens=8, do_sample=False, cache_implementation="static")
-    model.forward = torch.compile(model.forward)
+    model.forward = torch.compile(model.forward, fullgraph=True)  # no graph break in prefill or decode
     compiled = model.generate(prompt, max_new_tokens=8, do_sample=False, cache_implementation="static")
     assert torch.equal(compiled, eager)
 
