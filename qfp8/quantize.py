@@ -233,16 +233,14 @@ def quantize(
                 "quantize a float model once"
             )
     if kv_cache is not None:
-        from qfp8.nn.kv_cache import attention_modules
+        from qfp8.nn.kv_cache import check_supported
 
         # enable_fp8_kv_cache refuses such a model too, but only after the
         # Linears were swapped: check first so that a refusal changes nothing.
-        if not attention_modules(model):
-            raise ValueError(
-                f"quantize: kv_cache={kv_cache!r} needs Llama-family attention modules (with layer_idx, k_proj, "
-                f"v_proj, head_dim and a forward taking `cache`); {type(model).__name__} has none. "
-                "Pass kv_cache=None to quantize its weights only"
-            )
+        try:
+            check_supported(model, f"quantize(kv_cache={kv_cache!r})")
+        except ValueError as error:
+            raise ValueError(f"{error}. Pass kv_cache=None to quantize its weights only") from None
 
     report = QuantizeReport()
     planned: dict[int, ReportEntry] = {}

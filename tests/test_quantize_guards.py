@@ -44,9 +44,30 @@ def test_refused_kv_cache_leaves_the_model_untouched_and_a_retry_works():
     after, types_after = state(model)
     assert types_after == types and not hasattr(model, "qfp8_scheme")
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    assert "kv_cache='float8_e4m3fn'" in str(refused.value) and "Sequential has none" in str(refused.value)
+    assert "kv_cache='float8_e4m3fn'" in str(refused.value) and "Sequential has no" in str(refused.value)
+    assert "kv_cache=None to quantize its weights only" in str(refused.value)
     _, report = quantize_quietly(model)
     assert len(report.quantized) == 2 and isinstance(model[0], QLinear)
+
+
+def test_kv_cache_on_an_encoder_decoder_is_refused_before_any_change():
+    """BART's attention looks Llama-like (layer_idx, k_proj, v_proj) but its cache is an EncoderDecoderCache."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, vocab_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    model = BartForConditionalGeneration(config).eval()
+    before, types = state(model)
+    with pytest.raises(ValueError, match=r"BartForConditionalGeneration is an encoder-decoder model"):
+        qfp8.quantize(model, kv_cache="float8_e4m3fn")
+    after, types_after = state(model)
+    assert types_after == types and all(torch.equal(after[k], before[k]) for k in before)
+    _, report = quantize_quietly(model)  # the weights alone quantize, and the model runs
+    ids = torch.randint(3, 64, (1, 6))
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids, decoder_input_ids=ids[:, :3]).logits).all()
 
 
 # ------------------------------------------------------------ tied weights

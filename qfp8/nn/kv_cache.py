@@ -546,6 +546,21 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, module in model.named_modules() if _is_llama_attention(module)}
 
 
+def check_supported(model: nn.Module, caller: str) -> None:
+    """Raises ``ValueError`` (naming ``caller``) unless ``model`` is a decoder with Llama-family attention."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{caller}: {type(model).__name__} is an encoder-decoder model; the FP8 KV cache serves decoder-only "
+            "models (transformers' EncoderDecoderCache is not supported)"
+        )
+    if not attention_modules(model):
+        raise ValueError(
+            f"{caller}: {type(model).__name__} has no Llama-family attention module (one with layer_idx, k_proj, "
+            "v_proj, head_dim and a forward taking `cache`)"
+        )
+
+
 def _cache_from(kwargs: dict):
     cache = kwargs.get("cache")
     return kwargs.get("past_key_values") if cache is None else cache
@@ -704,12 +719,8 @@ def enable_fp8_kv_cache(
     dtype = formats.fp8_dtype(dtype)
     if dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"FP8 KV cache dtype must be one of {[str(d) for d in KV_CACHE_DTYPES]}, got {dtype}")
+    check_supported(model, "enable_fp8_kv_cache")
     modules = attention_modules(model)
-    if not modules:
-        raise ValueError(
-            f"enable_fp8_kv_cache: {type(model).__name__} has no Llama-family attention module "
-            "(one with layer_idx, k_proj, v_proj, head_dim and a forward taking `cache`)"
-        )
     for module in modules.values():
         if isinstance(module, Float8KVAttentionMixin):
             if module.qfp8_kv_dtype != dtype:  # scales of another format no longer hold
