@@ -95,7 +95,11 @@ def exclude_patterns(exclude) -> tuple:
     """``exclude`` as a tuple of patterns: None is none, a string one pattern."""
     if exclude is None:
         return ()
-    return (exclude,) if isinstance(exclude, str) else tuple(exclude)
+    if isinstance(exclude, str):
+        return (exclude,)
+    if not isinstance(exclude, (list, tuple, set, frozenset)) or not all(isinstance(p, str) for p in exclude):
+        raise TypeError(f"exclude must be a pattern string or a list of them (or None), got {exclude!r}")
+    return tuple(exclude)
 
 
 def excluded_by(name: str, patterns) -> str | None:
@@ -213,6 +217,11 @@ def quantize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.Linear) and not isinstance(model, QLinear):
+        raise ValueError(
+            f"quantize: the model is itself an nn.Linear ({model.in_features} -> {model.out_features}), which "
+            "cannot be replaced in place; wrap it (nn.Sequential(linear)) or use qfp8.QLinear.from_linear(linear)"
+        )
     if kv_cache not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache {kv_cache!r}; expected one of {list(KV_CACHE_DTYPES)}")
     if weights is None:
@@ -309,13 +318,19 @@ def quantize(
     for note in notes:
         warnings.warn(note, stacklevel=2)
 
+    weight = module = None  # the loops' last Linear, so that it too can go once replaced
     for entry in report.quantized:
-        qlinear = QLinear.from_linear(modules[entry.name], scheme, entry.name, accuracy=accuracy)
-        _carry_hooks(modules[entry.name], qlinear, entry.name)
+        # Popped, not read: once swapped in, nothing here holds the float
+        # Linear, so the model peaks at one layer above its float size.
+        linear = modules.pop(entry.name)
+        qlinear = QLinear.from_linear(linear, scheme, entry.name, accuracy=accuracy)
+        _carry_hooks(linear, qlinear, entry.name)
         entry.scheme = scheme.describe() + (f" accuracy-{accuracy}" if accuracy else "")
         entry.kernel = qlinear.packing
         for name in [entry.name, *entry.aliases]:
+            modules.pop(name, None)
             _set_submodule(model, name, qlinear)
+        del linear, qlinear
     if kv_cache is not None:
         from qfp8.nn.kv_cache import enable_fp8_kv_cache
 

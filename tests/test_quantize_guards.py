@@ -1,6 +1,8 @@
 """quantize: refusals leave the model untouched; what it cannot do as asked is said, never silent."""
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -170,3 +172,47 @@ def test_nothing_quantized_warns_naming_the_model_class():
 def test_everything_excluded_by_the_user_does_not_warn():
     _, report = quantize_quietly(nn.Sequential(nn.Linear(16, 16)), exclude=("0",))
     assert not report.quantized
+
+
+# ------------------------------------------------------- arguments, memory
+def test_a_bare_linear_is_refused_not_silently_left_float():
+    linear = nn.Linear(16, 8)
+    with pytest.raises(ValueError, match=r"itself an nn\.Linear \(16 -> 8\).*nn\.Sequential\(linear\)"):
+        qfp8.quantize(linear)
+    assert type(linear) is nn.Linear and not list(linear.children())  # nothing attached under an empty name
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(exclude=5), TypeError, r"exclude must be a pattern string or a list of them .*got 5"),
+        (dict(exclude=["lm_head", 3]), TypeError, r"exclude must be .*got \['lm_head', 3\]"),
+        (dict(weight_scale="block", block_size=None), ValueError, r"block_size must be two positive ints .*None"),
+        (dict(weight_scale="block", block_size=(128,)), ValueError, r"block_size must be two positive ints"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, match):
+    model = nn.Sequential(nn.Linear(16, 8))
+    with pytest.raises(error, match=match):
+        qfp8.quantize(model, **kwargs)
+    assert type(model[0]) is nn.Linear
+
+
+def test_quantize_frees_each_float_weight_once_its_layer_is_replaced(monkeypatch):
+    """Peak memory is the float model plus one layer: already replaced float Linears are not held until the end."""
+    layers = 6
+    model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(layers)])
+    refs = [weakref.ref(layer.weight) for layer in model]
+    original = QLinear.from_linear.__func__
+    alive = []
+
+    def counting(cls, linear, *args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in refs))
+        return original(cls, linear, *args, **kwargs)
+
+    monkeypatch.setattr(QLinear, "from_linear", classmethod(counting))
+    qfp8.quantize(model)
+    assert alive == [layers - i for i in range(layers)]  # only the layers not replaced yet
+    gc.collect()
+    assert all(ref() is None for ref in refs)

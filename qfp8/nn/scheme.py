@@ -41,7 +41,7 @@ class QuantizationScheme:
                 f"unknown activation_scale {activation_scale!r}; "
                 f"expected one of {list(formats.ACTIVATION_GRANULARITIES)}"
             )
-        block = formats._check_block_size(tuple(block_size)) if weight_scale == "block" else ()
+        block = formats._check_block_size(block_size) if weight_scale == "block" else ()
         if activations == "static":
             activation_scale = "tensor"
         if activations is None:
