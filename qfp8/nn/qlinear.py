@@ -35,7 +35,7 @@ from qfp8.library import kernel_by_name, select_kernel
 from qfp8.library.autograd import linear, needs_grad
 from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest
 from qfp8.nn.scheme import QuantizationScheme
-from qfp8.tensor import Float8WeightTensor
+from qfp8.tensor import Float8ActivationTensor, Float8WeightTensor
 
 # Set by state_spec(): QLinear's state_dict entry for ``weight`` is then a
 # meta tensor of the right shape and dtype instead of the unpacked weight.
@@ -441,6 +441,8 @@ class QLinear(nn.Module):
                     *state["_extra_args"],
                 )
             except RuntimeError as error:
+                if isinstance(args[0], Float8ActivationTensor):
+                    return super().__call__(*args, **kwargs)  # forward takes the subclass route
                 self._raise_input_error(args[0], error)
         return super().__call__(*args, **kwargs)
 
@@ -464,6 +466,9 @@ class QLinear(nn.Module):
             )
         if x.device != self.qweight.device and x.device.type != "meta":
             return ValueError(f"{layer}: the input is on {x.device}, the layer's weights on {self.qweight.device}")
+        bias = self._parameters["bias"]
+        if bias is not None and not bias.is_contiguous():
+            return ValueError(f"{layer}: the bias (stride {bias.stride()}) is not contiguous; assign a contiguous one")
         if x.dtype not in formats.FLOAT_DTYPES and self.packing != "reference":
             return TypeError(
                 f"{layer}: the input is {x.dtype}; the {self.packing} kernel takes float32, bfloat16 or float16 "
@@ -472,6 +477,9 @@ class QLinear(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, Float8ActivationTensor):
+            # Already FP8 (an nn.Linear took it through F.linear's handler): the subclass route multiplies it.
+            return nn.functional.linear(x, self.weight, self.bias)
         if self.calibrating:
             return self._calibration_forward(x)
         if not _is_compiling() and self.__dict__["_fast"] is None:
@@ -499,10 +507,14 @@ class QLinear(nn.Module):
             self.hessian.addmm_(x2d.t(), x2d)
         if self.scheme.activations != "static":
             return self._op(x, self.qweight, self.weight_scale, self.bias, self.input_scale, *self._extra_args)
-        amax = formats.activation_amax(x.reshape(-1, self.in_features), "tensor")
+        x2d = x.reshape(-1, self.in_features)
+        amax = formats.activation_amax(x2d, "tensor")
         if self._calibration_amax is not None:
             amax = torch.maximum(amax, self._calibration_amax)
-        self._calibration_amax = amax
+        # A batch with no finite value (empty, or all NaN/Inf) measures nothing:
+        # it must not pass for amax = 0, which would calibrate the layer to eps.
+        if bool(torch.isfinite(x2d).any()):
+            self._calibration_amax = amax
         scale = formats.scale_from_amax(amax, self.scheme.activation_dtype)
         return self._kernel_op(x, self.qweight, self.weight_scale, self.bias, scale, *self._extra_args)
 

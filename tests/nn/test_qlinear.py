@@ -174,3 +174,47 @@ def test_state_made_under_inference_mode_is_usable_with_autograd():
         x = torch.randn(3, 16, requires_grad=True)
         m(x).sum().backward()
         assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("batch", ["empty", "all-nan"], ids=str)
+def test_calibration_batch_without_a_finite_value_sets_no_scale(batch):
+    """Such a batch measures nothing: the layer stays uncalibrated (freeze names it) instead of taking eps / fmax."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32))
+    qfp8.quantize(model, activations="static")
+    x = torch.randn(0, 64) if batch == "empty" else torch.full((2, 64), float("nan"))
+    with qfp8.calibrate(model):
+        model(x)
+    assert model[0].input_scale is None
+    with pytest.raises(RuntimeError, match=r"never calibrated \(0\)"):
+        qfp8.freeze(model)
+    calibration = torch.randn(8, 64)
+    with qfp8.calibrate(model):  # a later batch with finite values calibrates as usual; the bad one adds nothing
+        model(x)
+        model(calibration)
+        model(x)
+    amax = calibration.abs().max()
+    assert torch.equal(model[0].input_scale, formats.scale_from_amax(amax.reshape(1), torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("activations", [None, "dynamic"])
+def test_an_fp8_activation_input_takes_the_subclass_route(activations):
+    """An nn.Linear took a Float8ActivationTensor (F.linear's handler); the QLinear replacing it takes it too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32))
+    x = qfp8.Float8ActivationTensor.quantize(torch.randn(4, 64))
+    reference = model(x).double()
+    qfp8.quantize(model, activations=activations)
+    want = nn.functional.linear(x, model[0].weight, model[0].bias)
+    for _ in range(2):  # the regular path arms the fast path, which must hand the input back
+        got = model(x)
+        assert type(got) is torch.Tensor and torch.equal(got, want)
+    assert formats.sqnr(reference, got.double()) > 25  # only the weight's FP8 rounding added
+
+
+def test_non_contiguous_bias_is_named():
+    model = nn.Sequential(nn.Linear(16, 8))
+    qfp8.quantize(model)
+    model[0].bias = nn.Parameter(torch.randn(8, 2)[:, 0])
+    with pytest.raises(ValueError, match=r"QLinear\(.*\): the bias \(stride \(2,\)\) is not contiguous"):
+        model(torch.randn(3, 16))
