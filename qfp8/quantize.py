@@ -49,10 +49,26 @@ class ReportEntry:
 
 
 @dataclass
+class OtherWeights:
+    """A module that is not an ``nn.Linear`` (nor an embedding) but holds float matrix weights: left in float."""
+
+    name: str
+    kind: str  # the module's class name
+    numel: int  # elements of its >= 2-D float parameters
+
+
+@dataclass
 class QuantizeReport:
-    """Every ``nn.Linear`` of the model: its scheme and kernel, or why it was skipped."""
+    """Every ``nn.Linear`` of the model: its scheme and kernel, or why it was skipped.
+
+    ``others``: modules with float matrix weights that are not ``nn.Linear``
+    (fused MoE experts, GPT-2's Conv1D, convolutions), which stay in float;
+    ``other_fraction`` is their share of all matrix weights (Linear and those).
+    """
 
     entries: list[ReportEntry] = field(default_factory=list)
+    others: list[OtherWeights] = field(default_factory=list)
+    other_fraction: float = 0.0
 
     @property
     def quantized(self) -> list[ReportEntry]:
@@ -81,7 +97,24 @@ class QuantizeReport:
         ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(f"{len(self.quantized)} quantized, {len(self.skipped)} skipped")
+        if self.others:
+            lines.append(self.others_summary())
         return "\n".join(lines)
+
+    def others_summary(self) -> str:
+        """One line: which non-Linear modules keep float matrix weights, and their share."""
+        kinds: dict[str, list[OtherWeights]] = {}
+        for other in self.others:
+            kinds.setdefault(other.kind, []).append(other)
+        largest_first = sorted(kinds.items(), key=lambda item: -sum(o.numel for o in item[1]))
+        parts = [
+            f"{kind} x{len(found)} ({', '.join(o.name for o in found[:2])}{', ...' if len(found) > 2 else ''})"
+            for kind, found in largest_first
+        ]
+        return (
+            f"not nn.Linear, left in float: {'; '.join(parts)}: {self.other_fraction:.0%} of the matrix weights "
+            "(qfp8 quantizes nn.Linear only)"
+        )
 
     __repr__ = __str__
 
@@ -112,8 +145,14 @@ def excluded_by(name: str, patterns) -> str | None:
     return None
 
 
+# nn.Linear subclasses whose own forward computes exactly F.linear(x, weight, bias) (read from their source).
+PLAIN_LINEAR_SUBCLASSES = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
+
 def _skip_reason(module: nn.Linear) -> str | None:
-    if type(module).forward is not nn.Linear.forward:
+    cls = type(module)
+    plain = f"{cls.__module__}.{cls.__qualname__}" in PLAIN_LINEAR_SUBCLASSES
+    if cls.forward is not nn.Linear.forward and not plain:
         return f"{type(module).__name__} has its own forward"
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return "used by nn.MultiheadAttention through its weight, not its forward"
@@ -170,6 +209,30 @@ def _carry_hooks(linear: nn.Linear, qlinear: QLinear, name: str) -> None:
             "replacing it does not keep them (its state dict holds FP8 weight, weight_scale: other keys)",
             stacklevel=3,
         )
+
+
+# Matrix weights outside nn.Linear above this share of the model's get a warning, not only a report line.
+OTHER_WEIGHTS_WARNING = 0.05
+
+
+def _find_other_weights(model: nn.Module, report: QuantizeReport) -> None:
+    """Fills ``report.others`` and ``report.other_fraction`` (see :class:`QuantizeReport`)."""
+    linear = other = 0
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        numel = 0
+        for param in module.parameters(recurse=False):
+            if param.dim() >= 2 and param.is_floating_point() and id(param) not in seen:
+                seen.add(id(param))
+                numel += param.numel()
+        if isinstance(module, nn.Linear):
+            linear += numel
+        elif numel:
+            report.others.append(OtherWeights(name or type(model).__name__, type(module).__name__, numel))
+            other += numel
+    report.other_fraction = other / (linear + other) if other else 0.0
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -286,6 +349,7 @@ def quantize(
             )
     if user_patterns:
         notes += unmatched_exclude_notes(exclude, linear_names, type(model).__name__, "quantize")
+    _find_other_weights(model, report)
     all_excluded = user_patterns and all(e.reason.startswith("excluded by pattern") for e in report.entries)
     if not report.quantized and not (report.entries and all_excluded):
         why = (
@@ -293,18 +357,12 @@ def quantize(
             if report.entries
             else "it has no nn.Linear"
         )
-        others = sorted(
-            {
-                type(m).__name__
-                for m in model.modules()
-                if not isinstance(m, (nn.Linear, nn.Embedding))
-                and isinstance(getattr(m, "weight", None), torch.Tensor)
-                and m.weight.dim() >= 2
-            }
-        )
-        if others:  # GPT-2's Conv1D, for one
-            why += f"; {', '.join(others)} layers have weights but qfp8 quantizes nn.Linear only"
+        if report.others:  # GPT-2's Conv1D, for one
+            kinds = sorted({other.kind for other in report.others})
+            why += f"; {', '.join(kinds)} layers have weights but qfp8 quantizes nn.Linear only"
         notes.append(f"quantize: nothing was quantized in {type(model).__name__}: {why}")
+    elif report.other_fraction >= OTHER_WEIGHTS_WARNING:  # fused MoE experts, for one
+        notes.append(f"quantize: {type(model).__name__}: {report.others_summary()}")
 
     # Validate every weight before changing anything: a refused weight
     # leaves the model as it was.

@@ -216,3 +216,48 @@ def test_quantize_frees_each_float_weight_once_its_layer_is_replaced(monkeypatch
     assert alive == [layers - i for i in range(layers)]  # only the layers not replaced yet
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+# ------------------------------------------------ what is not an nn.Linear
+def test_fused_moe_experts_left_in_float_are_reported_and_warned():
+    """transformers 5 stores Mixtral's experts as fused 3-D Parameters: no nn.Linear, so they stay float, loudly."""
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config).eval()
+    experts = {
+        name: sum(p.numel() for p in m.parameters()) for name, m in model.named_modules() if name.endswith("experts")
+    }
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    with pytest.warns(UserWarning, match=r"not nn\.Linear, left in float: MixtralExperts x2 .*% of the matrix weights"):
+        _, report = qfp8.quantize(model)
+    kinds = {other.kind for other in report.others}
+    assert kinds == {"MixtralExperts", "MixtralTopKRouter"}, kinds
+    assert {o.name: o.numel for o in report.others if o.kind == "MixtralExperts"} == experts
+    routers = sum(o.numel for o in report.others if o.kind != "MixtralExperts")
+    others = sum(experts.values()) + routers
+    assert report.other_fraction == pytest.approx(others / (others + linear)) and report.other_fraction > 0.5
+    assert "MixtralExperts x2 (model.layers.0.mlp.experts, model.layers.1.mlp.experts)" in str(report)
+
+
+def test_a_plain_llama_has_no_other_weights():
+    _, report = quantize_quietly(tiny_llama())
+    assert report.others == [] and report.other_fraction == 0.0 and "left in float" not in str(report)
+
+
+def test_falcon_linear_is_quantized():
+    """FalconLinear overrides forward with x @ W.T + b, the same function as nn.Linear's: it is replaced too."""
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=False,
+    )  # fmt: skip
+    model = transformers.FalconForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        reference = model(ids).logits.double()
+    _, report = quantize_quietly(model)
+    assert len(report.quantized) == 8 and all(e.kernel for e in report.quantized)
+    assert not any(type(m).__name__ == "FalconLinear" for m in model.modules())
+    with torch.no_grad():
+        assert qfp8.formats.sqnr(reference, model(ids).logits.double()) > 25

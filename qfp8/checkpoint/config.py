@@ -20,9 +20,20 @@ and transformers load natively:
   top-level ``qfp8_token_mse_groups`` key lists their groups, so that qfp8
   itself searches again after loading.
 
-compressed-tensors' float type is e4m3fn only; weights stored as e5m2 or
-e4m3fnuz keep their dtype in the safetensors header, which is where qfp8's
-readers take the weight dtype from (vLLM would refuse such a checkpoint).
+compressed-tensors' float type means e4m3fn to every reader (vLLM and
+transformers allocate e4m3fn weights and copy the stored values into them, with
+no dtype check). e4m3fnuz weights are written as they are: every e4m3fnuz value
+is exact in e4m3fn. A checkpoint with e5m2 weights or a KV cache that is not
+e4m3fn cannot be said in compressed-tensors terms: it gets the same body
+without ``quant_method``, marked ``qfp8_method: "qfp8"`` instead
+(:func:`qfp8_only_reasons`). Both vLLM ("Unknown quantization method") and
+transformers ("no `quant_method` attribute") then refuse the folder; with an
+unknown ``quant_method`` such as "qfp8", transformers only warns and loads the
+FP8 bytes without their scales. qfp8's readers take the weight dtype from the
+safetensors header, and read the marked body exactly as ``"compressed-tensors"``.
+
+:func:`vllm_incompatibilities` lists what vLLM refuses or cannot run in an
+otherwise valid checkpoint (the writers warn with it, ``qfp8 inspect`` prints it).
 """
 
 from __future__ import annotations
@@ -36,7 +47,15 @@ from qfp8 import formats
 from qfp8.nn.scheme import QuantizationScheme
 
 QUANT_METHOD = "compressed-tensors"
+# The same body, for what compressed-tensors cannot represent: written without quant_method (which other
+# readers then refuse) and with QFP8_METHOD_KEY: QFP8_METHOD instead.
+QFP8_METHOD = "qfp8"
+QFP8_METHOD_KEY = "qfp8_method"
 FLOAT_FORMAT = "float-quantized"
+# Weight dtypes a compressed-tensors float checkpoint may hold: its readers take e4m3fn, and copy e4m3fnuz exactly.
+STANDARD_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+# Linears vLLM fuses into one layer: fused name -> shards, in vLLM's order (the last may end in a partial block).
+FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def _float_args(strategy: str, dynamic: bool, **extra) -> dict:
@@ -82,9 +101,22 @@ DYNAMIC_STRATEGIES = ("tensor", "token", "group")
 
 
 def kv_cache_dtype(qc: dict, where: str) -> torch.dtype | None:
-    """The FP8 dtype of a ``quantization_config``'s KV cache (None: no FP8 cache)."""
-    if not qc.get("kv_cache_scheme"):
+    """The FP8 dtype of a ``quantization_config``'s KV cache (None: no FP8 cache).
+
+    ``kv_cache_scheme`` must be symmetric 8-bit float, per tensor (static ``k_scale``/``v_scale``) or dynamic.
+    """
+    scheme = qc.get("kv_cache_scheme")
+    if not scheme:
         return None
+    if not isinstance(scheme, dict):
+        raise ValueError(f"{where}: kv_cache_scheme must be an object, got {scheme!r}")
+    _check_float8(scheme, f"{where}: kv_cache_scheme")
+    strategy = scheme.get("strategy") or "tensor"
+    if strategy != "tensor" and not scheme.get("dynamic"):
+        raise ValueError(
+            f"{where}: kv_cache_scheme has static strategy {strategy!r}; qfp8 reads an FP8 KV cache with one "
+            "k_scale/v_scale per attention layer (strategy 'tensor') or dynamic scales"
+        )
     name = qc.get(KV_DTYPE_KEY, "float8_e4m3fn")
     try:
         return formats.fp8_dtype(name)
@@ -92,10 +124,30 @@ def kv_cache_dtype(qc: dict, where: str) -> torch.dtype | None:
         raise ValueError(f"{where}: {KV_DTYPE_KEY} {name!r} is not an FP8 dtype") from error
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def qfp8_only_reasons(schemes: dict[str, QuantizationScheme], kv_cache_dtype: torch.dtype | None) -> list[str]:
+    """What compressed-tensors cannot represent (e5m2 weights, a non-e4m3fn KV cache); empty for a standard model."""
+    counts: dict[torch.dtype, int] = {}
+    for scheme in schemes.values():
+        if scheme.weight_dtype not in STANDARD_WEIGHT_DTYPES:
+            counts[scheme.weight_dtype] = counts.get(scheme.weight_dtype, 0) + 1
+    reasons = [f"{n} layer{'s have' if n != 1 else ' has'} {_dtype_name(dtype)} weights" for dtype, n in counts.items()]
+    if kv_cache_dtype is not None and kv_cache_dtype != torch.float8_e4m3fn:
+        reasons.append(f"the KV cache is {_dtype_name(kv_cache_dtype)}")
+    return reasons
+
+
 def build_quantization_config(
     schemes: dict[str, QuantizationScheme], ignored: list[str], kv_cache_dtype: torch.dtype | None
 ) -> dict:
-    """The ``quantization_config`` of a model whose quantized linears are ``schemes`` (name -> scheme)."""
+    """The ``quantization_config`` of a model whose quantized linears are ``schemes`` (name -> scheme).
+
+    ``quant_method`` is ``"compressed-tensors"``; when :func:`qfp8_only_reasons` finds something there is no
+    ``quant_method`` but ``qfp8_method: "qfp8"`` (see the module docstring).
+    """
     by_scheme: dict[QuantizationScheme, list[str]] = {}
     for name, scheme in schemes.items():
         by_scheme.setdefault(scheme, []).append(name)
@@ -104,8 +156,9 @@ def build_quantization_config(
         groups = {"group_0": scheme_to_group(schemes_of["group_0"], ["Linear"])}
     else:
         groups = {name: scheme_to_group(scheme, by_scheme[scheme]) for name, scheme in schemes_of.items()}
+    qfp8_only = bool(qfp8_only_reasons(schemes, kv_cache_dtype))
     config = {
-        "quant_method": QUANT_METHOD,
+        QFP8_METHOD_KEY if qfp8_only else "quant_method": QFP8_METHOD if qfp8_only else QUANT_METHOD,
         "format": FLOAT_FORMAT,
         "quantization_status": "compressed",
         "config_groups": groups,
@@ -115,7 +168,7 @@ def build_quantization_config(
         "sparsity_config": {},
     }
     if kv_cache_dtype is not None and kv_cache_dtype != torch.float8_e4m3fn:
-        config[KV_DTYPE_KEY] = str(kv_cache_dtype).removeprefix("torch.")
+        config[KV_DTYPE_KEY] = _dtype_name(kv_cache_dtype)
     token_mse = [
         name for name, s in schemes_of.items() if s.activations == "dynamic" and s.activation_scale == "token-mse"
     ]
@@ -141,6 +194,11 @@ def _check_float8(args: dict, where: str) -> None:
         raise ValueError(
             f"{where}: qfp8 reads 8-bit float quantization, got type={args.get('type')!r} "
             f"num_bits={args.get('num_bits')!r}"
+        )
+    if args.get("symmetric", True) is not True:
+        raise ValueError(
+            f"{where}: symmetric={args.get('symmetric')!r} (asymmetric, with zero points) is not supported; qfp8 "
+            "reads symmetric FP8 quantization only, as vLLM does"
         )
 
 
@@ -195,3 +253,129 @@ def matches(name: str, class_name: str, target: str) -> bool:
     if target.startswith("re:"):
         return re.match(target[3:], name) is not None
     return target == class_name or target == name or fnmatch.fnmatchcase(name, target)
+
+
+# ------------------------------------------------------------ other readers
+
+# A layer of a checkpoint: its scheme (None: kept in float, in ``ignore``) and weight shape [N, K] if known.
+Layer = tuple[QuantizationScheme | None, tuple[int, ...] | None]
+_SHOWN_NAMES = 6
+
+
+def _name_pattern(name: str) -> str:
+    return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", name)
+
+
+def _vllm_args(scheme: QuantizationScheme | None) -> dict | None:
+    """What vLLM sees of a layer's scheme: its config_group args (e4m3fnuz and e4m3fn weights look the same)."""
+    if scheme is None:
+        return None
+    group = scheme_to_group(scheme, [])
+    del group["targets"]
+    return group
+
+
+def vllm_incompatibilities(layers: dict[str, Layer]) -> list[str]:
+    """What vLLM refuses or cannot run in a compressed-tensors checkpoint of ``layers`` (name -> scheme, shape).
+
+    One line per rule broken, naming the modules (layer numbers as ``*``):
+
+    - block weight scales with static input scales (CompressedTensorsW8A8Fp8 asserts);
+    - the shards of a layer vLLM fuses (q/k/v_proj, gate/up_proj) not all quantized alike or not all ignored;
+    - W8A8 block scales vLLM's block path cannot run: bn != bk, K not a multiple of bn, or a fused shard other
+      than the last with N not a multiple of bn (W8A16 block layers go to another vLLM scheme: not checked).
+    """
+    found: dict[str, list[str]] = {}
+
+    def add(message: str, name: str) -> None:
+        found.setdefault(message, []).append(_name_pattern(name))
+
+    fused: dict[tuple[str, str], dict[str, Layer]] = {}
+    for name in sorted(layers):  # the same order for a model and for a checkpoint's sorted tensors
+        scheme, shape = layers[name]
+        parent, _, leaf = name.rpartition(".")
+        for fused_name, shards in FUSED_LAYERS.items():
+            if leaf in shards:
+                fused.setdefault((parent, fused_name), {})[leaf] = (scheme, shape)
+        if scheme is None or scheme.weight_scale != "block":
+            continue
+        bn, bk = scheme.block_size
+        if scheme.activations == "static":
+            add(
+                "block weight scales with static input scales: vLLM's CompressedTensorsW8A8Fp8 asserts "
+                "(no static-input kernel for block weights); use dynamic activations with activation_scale='group'",
+                name,
+            )
+        if scheme.activations is None:
+            continue  # the shape rules below are those of vLLM's W8A8 block path (CompressedTensorsW8A8Fp8)
+        if bn != bk:
+            add(
+                f"block size [{bn}, {bk}]: vLLM quantizes a block layer's input in 1 x block_n groups and its "
+                "block GEMM asserts cdiv(K, block_k) == K / block_n, so it needs block_n == block_k",
+                name,
+            )
+        if shape is not None and shape[1] % bn:
+            add(
+                f"K = {shape[1]} is not a multiple of block_n = {bn}: vLLM quantizes a block layer's input in "
+                f"1 x {bn} groups and asserts K % {bn} == 0",
+                name,
+            )
+    for (parent, fused_name), shards in fused.items():
+        order = [leaf for leaf in FUSED_LAYERS[fused_name] if leaf in shards]
+        views = [_vllm_args(shards[leaf][0]) for leaf in order]
+        where = (parent + "." if parent else "") + fused_name
+        if any(view != views[0] for view in views):
+            states = ", ".join(
+                f"{leaf} {'ignored' if shards[leaf][0] is None else shards[leaf][0].describe()}" for leaf in order
+            )
+            add(
+                f"{'/'.join(order)} ({states}): vLLM fuses them into {fused_name} and requires all shards "
+                "quantized with one scheme or all ignored",
+                where,
+            )
+            continue
+        for leaf in order[:-1]:
+            scheme, shape = shards[leaf]
+            if scheme is None or scheme.weight_scale != "block" or scheme.activations is None or shape is None:
+                continue
+            bn = scheme.block_size[0]
+            if shape[0] % bn:
+                add(
+                    f"{leaf} N = {shape[0]} is not a multiple of block_n = {bn}: vLLM fuses "
+                    f"{'/'.join(order)} into {fused_name} and requires every shard but the last to be a multiple "
+                    "of block_n (validate_fp8_block_shape)",
+                    where,
+                )
+    lines = []
+    for message, names in found.items():
+        unique = list(dict.fromkeys(names))
+        shown = ", ".join(unique[:_SHOWN_NAMES]) + (
+            f" and {len(unique) - _SHOWN_NAMES} more" if len(unique) > _SHOWN_NAMES else ""
+        )
+        lines.append(f"{shown} ({len(names)} module{'s' if len(names) != 1 else ''}): {message}")
+    return lines
+
+
+def save_warnings(layers: dict[str, Layer], kv_cache_dtype: torch.dtype | None) -> list[str]:
+    """The warning a writer gives for ``layers`` (name -> scheme, shape): none for a standard checkpoint.
+
+    A checkpoint marked ``qfp8_method: "qfp8"`` (:func:`qfp8_only_reasons`) gets that warning only: vLLM
+    and transformers refuse it whole.
+    """
+    schemes = {name: scheme for name, (scheme, _) in layers.items() if scheme is not None}
+    reasons = qfp8_only_reasons(schemes, kv_cache_dtype)
+    if reasons:
+        return [
+            f"{' and '.join(reasons)}: compressed-tensors' float type means float8_e4m3fn to vLLM and "
+            "transformers, which cannot represent this checkpoint. It is written without quant_method (marked "
+            f"{QFP8_METHOD_KEY}: {QFP8_METHOD!r}), so that vLLM and transformers refuse it instead of loading it "
+            "wrong; qfp8.from_pretrained reads it. Use float8_e4m3fn (weights and KV cache) for a checkpoint "
+            "other readers serve"
+        ]
+    problems = vllm_incompatibilities(layers)
+    if not problems:
+        return []
+    return [
+        "vLLM cannot load or run this checkpoint as written (qfp8 and transformers read it):\n"
+        + "\n".join(f"  - {problem}" for problem in problems)
+    ]

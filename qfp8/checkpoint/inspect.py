@@ -8,11 +8,31 @@ import re
 
 import torch
 
+from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.readers import open_checkpoint
 
 
 def _group_name(module: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", module)
+
+
+def vllm_notes(plan) -> list[str]:
+    """What vLLM makes of a compressed-tensors or qfp8 checkpoint: refused, the rules it breaks, or nothing."""
+    if plan.format == qconfig.QFP8_METHOD:
+        reasons = qconfig.qfp8_only_reasons(plan.schemes, plan.kv_cache_dtype)
+        return [
+            f"qfp8_method 'qfp8', no quant_method ({' and '.join(reasons) or 'so marked'}): vLLM and transformers "
+            "refuse it (qfp8 only)"
+        ]
+    if plan.format != "compressed-tensors":
+        return []
+    layers = {}
+    for name, stored in plan.tensors.items():
+        module, _, leaf = name.rpartition(".")
+        shape = tuple(stored.file.info(stored.name).shape)
+        if leaf == "weight" and len(shape) == 2:
+            layers[module] = (plan.schemes.get(module), shape)
+    return qconfig.vllm_incompatibilities(layers)
 
 
 def describe(path) -> dict:
@@ -53,6 +73,7 @@ def describe(path) -> dict:
         "float_weight_dtypes": float_dtypes,
         "kv_cache": {"dtype": str(plan.kv_cache_dtype).replace("torch.", "") if plan.kv_cache_dtype else None, **kv},
         "architecture": (checkpoint.config.get("architectures") or [None])[0],
+        "vllm": vllm_notes(plan),
     }
 
 
@@ -75,6 +96,8 @@ def format_description(info: dict) -> str:
         lines.append(f"  kv cache: {kv['dtype']}" + (f"  ({'; '.join(parts)})" if parts else ""))
     else:
         lines.append("  kv cache: not quantized")
+    for note in info.get("vllm", []):
+        lines.append(f"  vLLM: {note}")
     return "\n".join(lines)
 
 

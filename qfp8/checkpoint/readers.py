@@ -10,7 +10,13 @@ format                 how it is recognised, and what the reader maps
                        "float-quantized"`` (qfp8's own output, llm-compressor's):
                        ``weight``, ``weight_scale`` (``[1]``/``[N, 1]``/blocks, any
                        float dtype -> float32), ``input_scale``, ``k_scale``/
-                       ``v_scale``; zero points of symmetric schemes are dropped.
+                       ``v_scale``; zero points of symmetric schemes are dropped
+                       (asymmetric schemes, and a ``kv_cache_scheme`` that is
+                       not symmetric FP8 per tensor or dynamic, are refused).
+``qfp8``               no ``quant_method``, ``qfp8_method: "qfp8"``: the same body,
+                       written by qfp8 for e5m2 weights or a non-e4m3fn KV cache,
+                       which other readers cannot represent (they refuse it); read
+                       as ``compressed-tensors``.
 ``fp8``                ``quant_method: "fp8"`` (vLLM, AutoFP8): 0-dim
                        ``weight_scale``/``input_scale`` -> ``[1]``; ``kv_scale``
                        -> ``k_scale`` and ``v_scale``; ``k_proj.output_scale``
@@ -116,19 +122,22 @@ class Checkpoint:
         if not qc:
             return "float"
         method = qc.get("quant_method")
-        if method == qconfig.QUANT_METHOD:
+        if method is None and qc.get(qconfig.QFP8_METHOD_KEY) == qconfig.QFP8_METHOD:
+            method = qconfig.QFP8_METHOD
+        if method in (qconfig.QUANT_METHOD, qconfig.QFP8_METHOD):
             fmt = qc.get("format")
             if fmt != qconfig.FLOAT_FORMAT:
                 raise ValueError(
-                    f"{self.directory / 'config.json'}: compressed-tensors format {fmt!r} is not FP8; qfp8 reads "
+                    f"{self.directory / 'config.json'}: {method} format {fmt!r} is not FP8; qfp8 reads "
                     f"{qconfig.FLOAT_FORMAT!r}"
                 )
-            return "compressed-tensors"
+            return method
         if method == "fp8":
             return "fp8-block" if qc.get("weight_block_size") else "fp8"
         raise ValueError(
             f"{self.directory / 'config.json'}: unknown quant_method {method!r}; qfp8 reads 'compressed-tensors' "
-            "(float-quantized), 'fp8' (vLLM/AutoFP8, block-wise weight_scale_inv) and optimum-quanto folders"
+            "and qfp8's own (qfp8_method 'qfp8'; float-quantized), 'fp8' (vLLM/AutoFP8, block-wise weight_scale_inv) and "
+            "optimum-quanto folders"
         )
 
     def stored(self, name: str, scale_shape=None) -> StoredTensor:
@@ -140,6 +149,7 @@ class Checkpoint:
     def plan(self) -> CheckpointPlan:
         reader = {
             "compressed-tensors": _read_compressed_tensors,
+            "qfp8": _read_compressed_tensors,
             "fp8": _read_fp8,
             "fp8-block": _read_fp8,
             "quanto": _read_quanto,

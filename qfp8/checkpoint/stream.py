@@ -32,6 +32,10 @@ calibrated layer's weights are read once more for it.
 same layer-by-layer calibration (qfp8/rounding.py); they equal in-memory
 ``qfp8.quantize(..., accuracy=...)`` + ``qfp8.calibrate``, bit for bit, and
 are held in memory until written (the size of the FP8 checkpoint).
+
+As ``qfp8.save_pretrained`` does, it writes ``quant_method: "qfp8"`` for
+e5m2 weights or an e5m2 KV cache, and warns (before any work) about that or
+about what vLLM would refuse or could not run (see qfp8/checkpoint/config.py).
 """
 
 from __future__ import annotations
@@ -173,14 +177,22 @@ def stream_quantize(
         ):
             warnings.warn(note, stacklevel=2)
     quantized, ignored = {}, []
+    layers: dict[str, qconfig.Layer] = {}
     for name in linears:
         stored = plan.tensors.get(name + ".weight")
-        if stored is None or excluded_by(name, exclude) or len(stored.file.info(stored.name).shape) != 2:
+        shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
+        if stored is None or excluded_by(name, exclude) or len(shape) != 2:
             ignored.append(name)  # excluded, or tied to another tensor and not stored
+            layers[name] = (None, shape)
             continue
         if not stored.file.info(stored.name).dtype.is_floating_point:
             raise ValueError(f"{stored.file.path}: {stored.name} is {stored.file.info(stored.name).dtype}, not float")
         quantized[name] = scheme
+        layers[name] = (scheme, shape)
+    kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
+    # Said before the work: quant_method "qfp8", or what vLLM would refuse (see qfp8/checkpoint/config.py).
+    for message in qconfig.save_warnings(layers, kv_dtype):
+        warnings.warn(message, UserWarning, stacklevel=2)
 
     calibrated: dict[str, torch.Tensor] = {}
     if needs_calibration:
@@ -256,7 +268,6 @@ def stream_quantize(
     out += [scalar(name) for names in kv_scales.values() for name in names]
 
     config = dict(checkpoint.config)
-    kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
     config["quantization_config"] = qconfig.build_quantization_config(quantized, ignored, kv_dtype)
     bar = _progress(sum(t.nbytes for t in out), progress)
     try:

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,19 +96,30 @@ def plan_model_tensors(model: nn.Module) -> list[PlannedTensor]:
     return plan
 
 
-def model_quantization_config(model: nn.Module) -> dict:
-    """The compressed-tensors ``quantization_config`` describing ``model``'s QLinears."""
-    schemes: dict[str, object] = {}
-    ignored: list[str] = []
+def model_layers(model: nn.Module) -> dict[str, qconfig.Layer]:
+    """Each linear layer of ``model`` (a module shared under two names: the first): its scheme (None for a
+    float ``nn.Linear``) and weight shape [N, K]."""
+    layers: dict[str, qconfig.Layer] = {}
     seen: set[int] = set()
     for name, module in model.named_modules(remove_duplicate=False):
         if id(module) in seen:
             continue
         seen.add(id(module))
         if isinstance(module, QLinear):
-            schemes[name] = module.scheme
+            layers[name] = (module.scheme, (module.out_features, module.in_features))
         elif isinstance(module, nn.Linear):
-            ignored.append(name)
+            layers[name] = (None, (module.out_features, module.in_features))
+    return layers
+
+
+def model_quantization_config(model: nn.Module) -> dict:
+    """The compressed-tensors ``quantization_config`` describing ``model``'s QLinears.
+
+    ``quant_method`` is ``"qfp8"`` for what compressed-tensors cannot represent (see qfp8/checkpoint/config.py).
+    """
+    layers = model_layers(model)
+    schemes = {name: scheme for name, (scheme, _) in layers.items() if scheme is not None}
+    ignored = [name for name, (scheme, _) in layers.items() if scheme is None]
     if not schemes:
         raise ValueError("save_pretrained: the model has no QLinear; call qfp8.quantize(model, ...) first")
     return qconfig.build_quantization_config(schemes, ignored, getattr(model, "qfp8_kv_cache_dtype", None))
@@ -231,6 +243,12 @@ def save_pretrained(
 ) -> Path:
     """Saves a quantized model as a compressed-tensors ``float-quantized`` checkpoint (vLLM/transformers load it).
 
+    e5m2 weights or a KV cache that is not e4m3fn get ``quant_method: "qfp8"``
+    (only qfp8 reads them) and a UserWarning; so does, with the rule it breaks,
+    a checkpoint vLLM would refuse or could not run (block weights with static
+    inputs, fused q/k/v or gate/up shards quantized differently, block shapes
+    its kernels cannot take): see qfp8/checkpoint/config.py.
+
     Tokenizer and generation files come from ``tokenizer`` if given, else from
     the folder the model was loaded from (``config._name_or_path``) when it has them.
     A model ``qfp8.freeze`` would refuse (static scales or an accuracy mode not yet
@@ -246,6 +264,8 @@ def save_pretrained(
     # checkpoint could not be loaded) and an accuracy-mode layer would ship
     # its round-to-nearest weights.
     check_calibrated(model, "save_pretrained")
+    for message in qconfig.save_warnings(model_layers(model), getattr(model, "qfp8_kv_cache_dtype", None)):
+        warnings.warn(message, UserWarning, stacklevel=2)
     plan = plan_model_tensors(model)
     source = getattr(model, "qfp8_source", None) or config.get("_name_or_path")
     extra = carried_files(source)
