@@ -283,6 +283,15 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
     return model
 
 
+def _build_model(transformers, config, dtype: torch.dtype) -> nn.Module:
+    """The class config.json's ``architectures`` names (a classifier, an encoder-decoder...), else a causal LM."""
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls._from_config(config, dtype=dtype)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Loads a quantized checkpoint (qfp8's, compressed-tensors, vLLM/AutoFP8 ``fp8``, block ``fp8``, quanto).
 
@@ -303,6 +312,12 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
         raise ImportError("qfp8.from_pretrained needs transformers to build the model") from error
     if not (checkpoint.directory / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint.directory}: no config.json to build the model from")
+    if not checkpoint.config.get("model_type"):
+        raise ValueError(
+            f"{checkpoint.directory}: config.json has no model_type, so there is no transformers model to build (a "
+            "plain module was saved?). Build the module, qfp8.quantize it with the same scheme, then "
+            "qfp8.load_state_dict(module, safetensors.torch.load_file(...))"
+        )
     config = transformers.AutoConfig.from_pretrained(checkpoint.directory)
     with contextlib.suppress(AttributeError):
         del config.quantization_config  # qfp8 does the quantization; transformers must not
@@ -310,7 +325,7 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with _empty_weights():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = _build_model(transformers, config, dtype)
     build_skeleton(model, plan.schemes)
     if plan.kv_cache_dtype is not None:
         enable_kv_cache_skeleton(model, plan.kv_cache_dtype)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qfp8 import formats
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, PlannedTensor, write_safetensors
 from qfp8.nn import QLinear
@@ -227,11 +228,29 @@ def carried_files(source: str | os.PathLike | None) -> dict[str, Path]:
 
 
 def model_config_dict(model: nn.Module) -> dict:
+    """``model.config`` as config.json holds it, with the model's class and float dtype, as transformers writes.
+
+    ``architectures`` names the model's class (``from_pretrained`` builds that
+    class); ``dtype`` is the dtype of its float tensors (embedding, norms), which
+    a model built from a config and then cast does not record itself.
+    """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return {}
     as_dict = config.to_dict()
     as_dict.pop("quantization_config", None)
+    if as_dict.get("model_type"):
+        as_dict["architectures"] = [type(model).__name__]
+    float_dtype = next(
+        (
+            t.dtype
+            for t in model.parameters()  # not buffers: a QLinear's scales are float32 whatever the model's dtype
+            if t.is_floating_point() and t.dtype not in formats.FP8_DTYPES.values()
+        ),
+        None,
+    )
+    if float_dtype is not None:
+        as_dict["dtype"] = str(float_dtype).removeprefix("torch.")
     return as_dict
 
 

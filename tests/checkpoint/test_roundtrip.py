@@ -466,3 +466,49 @@ def test_load_state_dict_of_a_saved_tied_model(tiny, tmp_path, x):
     assert target.lm_head.weight is target.model.embed_tokens.weight
     with torch.no_grad():
         assert torch.equal(target(x).logits, model(x).logits)
+
+
+@pytest.mark.parametrize("head", ["BertForSequenceClassification", "BertForMaskedLM"])
+def test_from_pretrained_builds_the_saved_class(tmp_path, head):
+    """config.json's architectures names the class: a classifier comes back as itself, not as a causal LM."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, num_labels=3
+    )
+    model = getattr(transformers, head)(config).eval()
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [head]
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert type(loaded).__name__ == head
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_a_cast_model_reloads_in_its_dtype(tiny, tmp_path, x):
+    """A model built from a config and cast (its config says no dtype) is saved with the dtype of its tensors."""
+    model = tiny.model().to(torch.bfloat16)
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = qfp8.from_pretrained(tmp_path)
+    floats = {name: p.dtype for name, p in loaded.named_parameters() if p.is_floating_point()}
+    assert set(floats.values()) == {torch.bfloat16}, floats
+
+
+def test_from_pretrained_of_a_plain_module_points_to_load_state_dict(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path)
+    with pytest.raises(ValueError, match=r"config\.json has no model_type.*qfp8\.load_state_dict"):
+        qfp8.from_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    target = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    qfp8.quantize(target)
+    qfp8.load_state_dict(target, load_file(tmp_path / "model.safetensors"))  # the route the message names
+    x = torch.randn(3, 32)
+    assert torch.equal(target(x), model(x))
