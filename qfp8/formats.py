@@ -81,9 +81,15 @@ def dequantize_table(dtype: torch.dtype) -> torch.Tensor:
 def fp8_to_float(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """FP8 codes to exact float values through a 256-entry lookup table.
 
-    torch's own FP8 cast is an elementwise loop that is slow on CPU; a table
-    lookup keeps the reference path usable on whole models.
+    torch's own FP8 cast is an elementwise loop that is slow on CPU eagerly; a
+    table lookup keeps the reference path usable on whole models. Under
+    ``torch.compile`` / ``torch.export`` the cast itself is used: the cached
+    table is a real tensor that a traced graph cannot hold, and the cast is
+    exact (the table is made by it, NaN and Inf codes included), while the
+    compiled code has no eager loop to avoid.
     """
+    if torch.compiler.is_compiling():
+        return q.to(torch.float32).to(dtype)
     table = dequantize_table(q.dtype).to(q.device)
     return table[q.view(torch.uint8).long()].to(dtype)
 

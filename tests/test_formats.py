@@ -147,6 +147,40 @@ def test_lookup_table_matches_torch_cast(name):
     assert torch.equal(table[finite], cast[finite])
 
 
+# Special codes of each format: e4m3fn has NaN at 0x7f/0xff and no Inf; e5m2 IEEE-style +-Inf and 6 NaNs;
+# e4m3fnuz one NaN (0x80, the "negative zero" code) and no Inf.
+SPECIAL_CODES = {"e4m3fn": (2, 0), "e5m2": (6, 2), "e4m3fnuz": (1, 0)}
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(FP8))
+def test_fp8_to_float_traces_and_matches_the_table(name, out_dtype):
+    """Under torch.compile the table (a real tensor, which a graph cannot hold) gives way to the exact cast."""
+    import torch._dynamo
+
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8[name])
+    eager = formats.fp8_to_float(codes, out_dtype)
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module.graph)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(formats.fp8_to_float, fullgraph=True, backend=backend)(codes, out_dtype)
+    finally:
+        torch._dynamo.reset()
+    # The graph's only tensor is the codes: no table captured (inside a tensor subclass's handler that fails).
+    (graph,) = graphs
+    assert [node.op for node in graph.nodes if node.op in ("placeholder", "get_attr")] == ["placeholder"]
+    assert compiled.dtype == eager.dtype == out_dtype
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0, equal_nan=True)
+    nans, infs = SPECIAL_CODES[name]
+    assert int(eager.isnan().sum()) == nans and int(eager.isinf().sum()) == infs
+    assert float(eager[torch.isfinite(eager)].abs().max()) == formats.fp8_max(FP8[name])
+
+
 def test_bad_names_raise():
     with pytest.raises(ValueError, match="unknown FP8 dtype"):
         formats.fp8_dtype("float8_e3m4")

@@ -4,9 +4,12 @@ Scales broadcast against the data: ``[1]`` (per tensor), ``[..., 1]`` (per
 token) or ``[..., ceil(K/128)]`` (1x128 groups along K).
 
 Handled: ``F.linear`` / ``matmul`` / ``@`` with an FP8 weight (products of
-FP8 values) or a float weight, ``bmm``, ``view`` / ``reshape`` (the last
-dimension stays for per-token and group scales), ``detach``, ``clone``,
-``to``, ``dequantize()``. Everything else raises ``NotImplementedError``.
+FP8 values) or a float weight, ``bmm`` (either side plain), ``view`` /
+``reshape`` (the last dimension stays for per-token and group scales),
+``detach``, ``clone``, ``to`` / ``type`` (a device move keeps FP8; a float
+``dtype`` is an explicit dequantize), ``float`` / ``double`` / ``half`` /
+``bfloat16`` (dequantize, whatever dtype the tensor reports),
+``dequantize()``. Everything else raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qfp8 import formats
-from qfp8.tensor.base import Float8Tensor
+from qfp8.tensor.base import CONVERSIONS, Float8Tensor, conversion_target
 
 aten = torch.ops.aten
 
@@ -84,8 +87,16 @@ class Float8ActivationTensor(Float8Tensor):
         )
 
 
-def _plain(t):
-    return t.dequantize(torch.float32) if isinstance(t, Float8ActivationTensor) else t
+def _plain(t, dtype: torch.dtype = torch.float32):
+    """An operand of a matmul in ``dtype``: an activation dequantized, a plain tensor cast.
+
+    An FP8 weight stays as it is: its own handler decides what a product with it means.
+    """
+    if isinstance(t, Float8ActivationTensor):
+        return t.dequantize(dtype)
+    if isinstance(t, Float8Tensor):
+        return t
+    return t.to(dtype)
 
 
 @Float8ActivationTensor.implements(F.linear, aten.linear.default)
@@ -110,11 +121,12 @@ def _(func, types, args, kwargs):
     a, b = args[0], args[1]
     if isinstance(b, Float8WeightTensor) and b.transposed:
         return _linear(a, b._with(transposed=False), None)
-    out_dtype = a.orig_dtype if isinstance(a, Float8ActivationTensor) else a.dtype
+    # Both operands in float32 (float64 if either is), the result in the left operand's dtype: for operands
+    # of one dtype, the dtype torch gives.
+    compute_dtype = torch.float64 if torch.float64 in (a.dtype, b.dtype) else torch.float32
     op = torch.bmm if func in (torch.bmm, aten.bmm.default) else torch.matmul
-    return op(
-        _plain(a), _plain(b).to(torch.float32) if not isinstance(b, Float8WeightTensor) else b.dequantize(torch.float32)
-    ).to(out_dtype)
+    right = b.dequantize(compute_dtype) if isinstance(b, Float8WeightTensor) else _plain(b, compute_dtype)
+    return op(_plain(a, compute_dtype), right).to(a.dtype)
 
 
 def _new_shape(x: Float8ActivationTensor, shape) -> tuple[int, ...]:
@@ -156,15 +168,19 @@ def _(func, types, args, kwargs):
     return x._with(qdata=x.qdata.clone(), scale=x.scale.clone())
 
 
-@Float8ActivationTensor.implements(torch.Tensor.to, aten._to_copy.default)
+@Float8ActivationTensor.implements(*CONVERSIONS)
 def _(func, types, args, kwargs):
-    from qfp8.tensor.weights import _to_args
-
     x = args[0]
-    device, dtype = _to_args(args, kwargs)
-    if dtype is not None and dtype != x.orig_dtype:
-        out = x.dequantize(dtype)
+    target = conversion_target(func, args, kwargs)
+    if target is None:  # x.type(): the type's name
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    device, dtype = target
+    if dtype is not None and dtype not in formats.FP8_DTYPES.values():
+        out = x.dequantize(dtype)  # a float dtype asks for a float tensor: an explicit dequantize
         return out.to(device) if device is not None else out
+    if dtype is not None and dtype != x.fp8_dtype:
+        raise TypeError(f"Float8ActivationTensor.to({dtype}): converting between FP8 formats is not supported")
     if device is None or device == x.qdata.device:
         return x
     return x._with(qdata=x.qdata.to(device), scale=x.scale.to(device))

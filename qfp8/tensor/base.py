@@ -84,6 +84,42 @@ class Float8Tensor(torch.Tensor):
         )
 
 
+# Tensor.float() and its kin ask for a float tensor: an explicit dequantize, like ``.to(dtype)``. torch's own
+# methods would hand back the FP8 tensor itself whenever it already reports that dtype (weight.float() on a
+# float32 model), so that the same call dequantized on a bf16 model only.
+FLOAT_CONVERSIONS = {
+    torch.Tensor.float: torch.float32,
+    torch.Tensor.double: torch.float64,
+    torch.Tensor.half: torch.float16,
+    torch.Tensor.bfloat16: torch.bfloat16,
+}
+CONVERSIONS = (torch.Tensor.to, torch.ops.aten._to_copy.default, torch.Tensor.type, *FLOAT_CONVERSIONS)
+
+
+def conversion_target(func, args, kwargs) -> tuple[torch.device | None, torch.dtype | None] | None:
+    """The (device, dtype) a conversion in :data:`CONVERSIONS` asks for; None for ``x.type()`` (a type name)."""
+    if func in FLOAT_CONVERSIONS:
+        return None, FLOAT_CONVERSIONS[func]
+    if func is torch.Tensor.type:
+        target = args[1] if len(args) > 1 else kwargs.get("dtype")
+        if target is None:
+            return None
+        if isinstance(target, torch.dtype):
+            return None, target
+        if isinstance(target, str):  # "torch.FloatTensor", "torch.cuda.HalfTensor"
+            target = torch._utils._import_dotted_name(target)
+        return torch.device("cuda" if target.is_cuda else "cpu"), target.dtype
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    for arg in args[1:]:
+        if isinstance(arg, torch.dtype):
+            dtype = arg
+        elif isinstance(arg, (torch.device, str)):
+            device = arg
+        elif isinstance(arg, torch.Tensor):
+            device, dtype = arg.device, arg.dtype
+    return (torch.device(device) if device is not None else None), dtype
+
+
 def _subclasses_in(types):
     for klass in types:
         if isinstance(klass, type) and issubclass(klass, Float8Tensor):

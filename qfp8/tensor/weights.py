@@ -6,8 +6,10 @@ and ``dtype`` are those of the float weight it stands for, so code that asks
 ``weight.dtype`` or ``weight.shape`` sees what it expects.
 
 Handled: ``F.linear``, ``torch.matmul`` / ``@``, ``addmm`` (routed to the
-layout's kernel), ``detach``, ``clone``, ``to`` (a device move keeps FP8; a
-float ``dtype`` is an explicit dequantize), ``t`` / ``transpose``,
+layout's kernel; a float64 input takes the reference op), ``detach``,
+``clone``, ``to`` / ``type`` (a device move keeps FP8; a float ``dtype`` is an
+explicit dequantize), ``float`` / ``double`` / ``half`` / ``bfloat16``
+(dequantize, whatever dtype the weight reports), ``t`` / ``transpose``,
 ``dequantize()``. Everything else raises ``NotImplementedError``.
 """
 
@@ -18,8 +20,8 @@ import torch.nn.functional as F
 
 from qfp8 import formats
 from qfp8.library import autograd
-from qfp8.library.routing import KernelRequest, kernel_by_name
-from qfp8.tensor.base import Float8Tensor
+from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest, kernel_by_name
+from qfp8.tensor.base import CONVERSIONS, Float8Tensor, conversion_target
 
 aten = torch.ops.aten
 
@@ -116,14 +118,24 @@ def _linear(x: torch.Tensor, weight: Float8WeightTensor, bias: torch.Tensor | No
         x = x.dequantize(torch.float32)
     else:
         out_dtype = x.dtype
+    if x.dtype not in formats.FLOAT_DTYPES and x.dtype != torch.float64:
+        raise TypeError(
+            f"linear: the input is {x.dtype}; the FP8 weight [{weight.out_features}, {weight.in_features}] takes "
+            f"float32, bfloat16, float16 or float64 inputs"
+        )
     if x.shape[-1] != weight.in_features:
         raise ValueError(
             f"linear: input has {x.shape[-1]} features, the FP8 weight expects {weight.in_features} "
             f"(weight shape [{weight.out_features}, {weight.in_features}])"
         )
-    kernel = kernel_by_name(weight.packing)
+    if bias is not None:
+        bias = bias.contiguous()  # F.linear takes any [N] bias; the kernels read a contiguous one
+    kernel, qdata = kernel_by_name(weight.packing), weight.qdata
+    if x.dtype == torch.float64 and kernel is not REFERENCE_KERNEL:
+        # Kernels take float32 / bfloat16 / float16; the reference op computes any float dtype.
+        kernel, qdata = REFERENCE_KERNEL, weight.canonical_qdata()
     request = weight.kernel_request()
-    args = (x, weight.qdata, weight.scale, bias, None, *kernel.extra_args(request))
+    args = (x, qdata, weight.scale, bias, None, *kernel.extra_args(request))
     y = autograd.linear(kernel.op, kernel.unpack, *args)
     return y.to(out_dtype)
 
@@ -197,23 +209,14 @@ def _(func, types, args, kwargs):
     return w._with(qdata=w.qdata.clone(), scale=w.scale.clone())
 
 
-def _to_args(args, kwargs):
-    """Splits ``Tensor.to`` arguments into (device, dtype)."""
-    device, dtype = kwargs.get("device"), kwargs.get("dtype")
-    for arg in args[1:]:
-        if isinstance(arg, torch.dtype):
-            dtype = arg
-        elif isinstance(arg, (torch.device, str)):
-            device = arg
-        elif isinstance(arg, torch.Tensor):
-            device, dtype = arg.device, arg.dtype
-    return (torch.device(device) if device is not None else None), dtype
-
-
-@Float8WeightTensor.implements(torch.Tensor.to, aten._to_copy.default)
+@Float8WeightTensor.implements(*CONVERSIONS)
 def _(func, types, args, kwargs):
     w = args[0]
-    device, dtype = _to_args(args, kwargs)
+    target = conversion_target(func, args, kwargs)
+    if target is None:  # w.type(): the type's name
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    device, dtype = target
     if dtype is not None and dtype not in formats.FP8_DTYPES.values():
         out = w.dequantize(dtype)  # a float dtype asks for a float tensor: an explicit dequantize
         return out.to(device) if device is not None else out

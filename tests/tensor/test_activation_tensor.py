@@ -52,3 +52,63 @@ def test_unknown_op_raises():
 def test_refuses_non_float():
     with pytest.raises(TypeError, match="float tensor"):
         Float8ActivationTensor.quantize(torch.ones(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_plain_times_activation_of_the_same_dtype(dtype):
+    """``p @ a`` / ``bmm`` with a plain tensor on either side: torch's dtype for two ``dtype`` operands.
+
+    Both operands go to float32 (the FP8 values times their scale), the product is float32, and the result is
+    rounded once to ``dtype``: within ``dtype``'s epsilon of the float64 product (float32: its accumulation
+    error over K = 300, measured 5e-7), and bitwise that recipe.
+    """
+    tolerance = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 1e-5}[dtype]
+    a2 = Float8ActivationTensor.quantize(torch.randn(10, 300).to(dtype))
+    a3 = Float8ActivationTensor.quantize(torch.randn(2, 5, 300).to(dtype), granularity="group")
+    left2, left3 = torch.randn(4, 10).to(dtype), torch.randn(2, 4, 5).to(dtype)
+    right2, right3 = torch.randn(300, 6).to(dtype), torch.randn(2, 300, 6).to(dtype)
+    cases = [
+        (left2 @ a2, left2, a2, torch.matmul),
+        (torch.matmul(left2, a2), left2, a2, torch.matmul),
+        (torch.bmm(left3, a3), left3, a3, torch.bmm),
+        (a2 @ right2, a2, right2, torch.matmul),
+        (torch.bmm(a3, right3), a3, right3, torch.bmm),
+    ]
+
+    def values(t, out):
+        return t.dequantize(out) if isinstance(t, Float8ActivationTensor) else t.to(out)
+
+    for y, left, right, op in cases:
+        assert type(y) is torch.Tensor and y.dtype == dtype
+        ref = op(values(left, torch.float64), values(right, torch.float64))
+        assert ((y.double() - ref).norm() / ref.norm()).item() < tolerance
+        assert torch.equal(y, op(values(left, torch.float32), values(right, torch.float32)).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_float_conversions_always_dequantize(dtype):
+    """``a.float()`` & co. give a float tensor whatever ``a`` reports (torch's own would return ``a`` itself)."""
+    a = Float8ActivationTensor.quantize(torch.randn(3, 40).to(dtype), granularity="group")
+    conversions = {
+        torch.float32: [a.float(), a.to(torch.float32), a.type(torch.float32), a.type(torch.FloatTensor)],
+        torch.float64: [a.double(), a.to(torch.float64), a.to(torch.zeros(1, dtype=torch.float64))],
+        torch.float16: [a.half(), a.to(torch.float16), a.type("torch.HalfTensor")],
+        torch.bfloat16: [a.bfloat16(), a.to(dtype=torch.bfloat16)],
+    }
+    for out_dtype, results in conversions.items():
+        for y in results:
+            assert type(y) is torch.Tensor and y.dtype == out_dtype
+            assert torch.equal(y, a.dequantize(out_dtype))
+    # Against the float64 product of each FP8 value and its group's scale: one float32 rounding.
+    group_scale = a.scale.double().repeat_interleave(formats.ACTIVATION_GROUP_SIZE, -1)[:, :40]
+    ref = formats.fp8_to_float(a.qdata, torch.float64) * group_scale
+    assert ((a.double() - ref).abs() <= ref.abs() * 2.0**-24).all()
+    names = {
+        torch.float32: "torch.FloatTensor",
+        torch.bfloat16: "torch.BFloat16Tensor",
+        torch.float16: "torch.HalfTensor",
+    }
+    assert a.type() == names[dtype]  # no argument: the type's name, as torch gives it
+    assert a.to("cpu") is a
+    with pytest.raises(TypeError, match="between FP8 formats"):
+        a.to(torch.float8_e5m2)

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from qfp8 import Float8ActivationTensor, Float8WeightTensor, formats
+from qfp8.library.routing import kernel_by_name, select_kernel
 
 
 @pytest.fixture
@@ -118,3 +119,98 @@ def test_stable_hash_for_caching_follows_layout_not_values(weight):
         assert other._stable_hash_for_caching() != a._stable_hash_for_caching()
     activation = Float8ActivationTensor.quantize(torch.randn(3, 80))
     assert len(activation._stable_hash_for_caching()) == 32
+
+
+def _packed(w: Float8WeightTensor) -> Float8WeightTensor:
+    """``w`` in the layout of the kernel this device picks for it (what a frozen QLinear hands out)."""
+    kernel, _ = select_kernel(w.kernel_request())
+    return w._with(qdata=kernel.pack(w.qdata), packing=kernel.name)
+
+
+NON_CONTIGUOUS_BIASES = {
+    "strided": lambda: torch.randn(96)[::2],
+    "expanded": lambda: torch.randn(1).expand(48),
+    "transposed-row": lambda: torch.randn(48, 3).t()[0],
+    "bf16-strided": lambda: torch.randn(96, dtype=torch.bfloat16)[1::2],
+}
+
+
+@pytest.mark.parametrize("layout", ["reference", "kernel"])
+@pytest.mark.parametrize("kind", list(NON_CONTIGUOUS_BIASES))
+def test_linear_takes_a_non_contiguous_bias(weight, kind, layout):
+    """F.linear takes any [N] bias; the FP8 weight's route too, with the result of its contiguous copy."""
+    w = Float8WeightTensor.from_float(weight.float())
+    if layout == "kernel":
+        w = _packed(w)
+    bias = NON_CONTIGUOUS_BIASES[kind]()
+    assert not bias.is_contiguous()
+    x = torch.randn(5, 80)
+    y = F.linear(x, w, bias)
+    ref = x.double() @ w.dequantize(torch.float64).t() + bias.double()
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6  # float32 accumulation over K = 80
+    assert torch.equal(y, F.linear(x, w, bias.contiguous()))
+    assert torch.equal(torch.addmm(bias, x, w.t()), y)
+
+
+def test_cpu_kernel_names_a_non_contiguous_bias(weight):
+    w = _packed(Float8WeightTensor.from_float(weight.float()))
+    if w.packing == "reference":
+        pytest.skip("no CPU kernel is built for this machine: the reference op takes any bias")
+    kernel = kernel_by_name(w.packing)
+    args = (torch.randn(2, 80), w.qdata, w.scale)
+    extra = kernel.extra_args(w.kernel_request())
+    with pytest.raises(RuntimeError, match=r"bias must be contiguous, got shape \[48\] with strides \[2\]"):
+        kernel.op(*args, torch.randn(96)[::2], None, *extra)
+    with pytest.raises(RuntimeError, match=r"bias has shape \[47\], expected \[48\]"):
+        kernel.op(*args, torch.randn(47), None, *extra)
+
+
+@pytest.mark.parametrize("orig_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_float_conversions_always_dequantize(weight, orig_dtype):
+    """``w.float()`` & co. dequantize whatever dtype the weight reports (torch's own would return ``w`` itself)."""
+    w = _packed(Float8WeightTensor.from_float(weight.to(orig_dtype), granularity="block", block_size=(16, 32)))
+    conversions = {
+        torch.float32: [w.float(), w.to(torch.float32), w.type(torch.float32), w.type("torch.FloatTensor")],
+        torch.float64: [w.double(), w.to(torch.float64), w.type(torch.DoubleTensor)],
+        torch.float16: [w.half(), w.to(dtype=torch.float16)],
+        torch.bfloat16: [w.bfloat16(), w.to(torch.zeros(1, dtype=torch.bfloat16))],
+    }
+    scale = formats.expand_block_scale(w.scale.double(), (48, 80), (16, 32))
+    ref = formats.fp8_to_float(w.canonical_qdata(), torch.float64) * scale
+    for out_dtype, results in conversions.items():
+        for y in results:
+            assert type(y) is torch.Tensor and y.dtype == out_dtype
+            assert torch.equal(y, w.dequantize(out_dtype))
+            # one float32 rounding of FP8 value x scale, then one to out_dtype
+            bound = 2.0**-24 + (0 if out_dtype in (torch.float32, torch.float64) else torch.finfo(out_dtype).eps / 2)
+            assert ((y.double() - ref).abs() <= ref.abs() * bound * 1.0001).all()
+    assert w.float().norm() > 0  # a plain tensor: every op works on it
+    assert w.t().float().shape == (80, 48) and torch.equal(w.t().float(), w.float().t())
+
+
+@pytest.mark.parametrize("layout", ["reference", "kernel"])
+def test_linear_float64_input_takes_the_reference_op(weight, layout):
+    """Kernels take float32 / bfloat16 / float16: a float64 input is computed by the reference op."""
+    w = Float8WeightTensor.from_float(weight.float())
+    if layout == "kernel":
+        w = _packed(w)
+    x = torch.randn(3, 80, dtype=torch.float64)
+    bias = torch.randn(48, dtype=torch.float64)
+    y = F.linear(x, w, bias)
+    assert y.dtype == torch.float64 and y.shape == (3, 48)
+    ref = x @ w.dequantize(torch.float64).t() + bias
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-6  # the reference op computes in float32
+    # the reference op on the canonical weight, what the route promises, bit for bit
+    want = torch.ops.qfp8.scaled_linear(x, w.canonical_qdata(), w.scale, bias, None, [], "none", torch.float8_e4m3fn)
+    assert torch.equal(y, want)
+    assert torch.equal(x @ w.t(), F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.float8_e4m3fn], ids=str)
+def test_linear_refuses_non_float_input_naming_dtype_and_sizes(weight, dtype):
+    w = _packed(Float8WeightTensor.from_float(weight.float()))
+    x = torch.ones(3, 80).to(dtype)
+    with pytest.raises(TypeError, match=rf"input is {dtype}; the FP8 weight \[48, 80\] takes float32"):
+        F.linear(x, w)
+    with pytest.raises(TypeError, match=rf"input is {dtype}"):
+        torch.matmul(x, w.t())  # (``x @ w.t()`` raises a TypeError too, Python's: torch turns it into NotImplemented)

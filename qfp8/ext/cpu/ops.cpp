@@ -397,8 +397,9 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   }
   std::vector<float> bias_buffer;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N && bias->is_contiguous(), op, ": bias has shape ", bias->sizes(),
-                ", expected [", N, "]");
+    TORCH_CHECK(bias->numel() == N, op, ": bias has shape ", bias->sizes(), ", expected [", N, "]");
+    TORCH_CHECK(bias->is_contiguous(), op, ": bias must be contiguous, got shape ", bias->sizes(), " with strides ",
+                bias->strides(), "; pass bias.contiguous()");
     const auto bdtype = bias->scalar_type();
     if (bdtype == at::kFloat) {
       p.bias = bias->data_ptr<float>();
