@@ -745,9 +745,12 @@ def enable_fp8_kv_cache(
         model._qfp8_kv_load_hook = True
     model.qfp8_kv_cache_dtype = dtype
     config = getattr(model, "config", None)
-    if fused_attention and getattr(config, "_attn_implementation", None) == "sdpa":
+    attention = getattr(config, "_attn_implementation", None)
+    if fused_attention and attention == "sdpa":
         _register_fused_attention()
         config._attn_implementation = FUSED_ATTENTION
+    elif not fused_attention and attention == FUSED_ATTENTION:  # enabled before with the fused path: switch back
+        config._attn_implementation = "sdpa"
     return list(modules)
 
 

@@ -225,6 +225,7 @@ def _decode_ops(model, prompt, cache, steps) -> tuple[torch.Tensor, list[str]]:
 def test_decode_steps_read_the_fp8_cache_directly(base_model, prompt, static):
     fused, plain = copy.deepcopy(base_model), copy.deepcopy(base_model)
     kvc.enable_fp8_kv_cache(fused)
+    kvc.enable_fp8_kv_cache(plain)  # as quantize(kv_cache=...) does; the second call switches the fused path off
     kvc.enable_fp8_kv_cache(plain, fused_attention=False)
     assert fused.config._attn_implementation == kvc.FUSED_ATTENTION
     assert plain.config._attn_implementation == "sdpa"
