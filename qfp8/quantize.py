@@ -417,19 +417,37 @@ def _calibrated_modules(model: nn.Module):
 def calibrate(model: nn.Module):
     """Records static activation (and KV-cache) scales over the batches run inside.
 
-    Each static layer keeps the maximum of its input's amax over all batches.
+    Each static layer keeps the maximum of its input's amax over all batches
+    of this block; a later ``calibrate`` measures them afresh (it replaces,
+    not merges). An accuracy mode chooses the FP8 weights once, at the end of
+    the first block that reaches the layer (the float weights are dropped
+    then): a later block re-measures static scales only, with a warning.
+    An exception (Ctrl-C included) leaves the block without using what it
+    recorded: the model is as it was before it.
     """
     modules = list(dict.fromkeys(_calibrated_modules(model)))
     if not modules:
         raise ValueError("calibrate: the model has no QLinear; call qfp8.quantize(model, ...) first")
+    fitted = [name for name, m in _qlinears(model).items() if m.accuracy and not m.accuracy_pending]
+    if fitted:
+        shown = ", ".join(fitted[:3]) + (f" and {len(fitted) - 3} more" if len(fitted) > 3 else "")
+        warnings.warn(
+            f"calibrate: {len(fitted)} layer(s) ({shown}) already had their FP8 weights chosen by their accuracy "
+            "mode in an earlier calibrate, and their float weights are gone: this pass re-measures static scales "
+            "only, the weights stay as chosen then (quantize the float model again to choose them on new data)",
+            stacklevel=3,
+        )
     for module in modules:
         module.start_calibration()
     try:
         with torch.no_grad():
             yield model
-    finally:
+    except BaseException:
         for module in modules:
-            module.end_calibration()
+            getattr(module, "abort_calibration", module.end_calibration)()
+        raise
+    for module in modules:
+        module.end_calibration()
 
 
 def check_calibrated(model: nn.Module, caller: str) -> None:

@@ -154,3 +154,41 @@ def test_token_mse_reduces_w8a8_output_error_on_outlier_layer(seed):
         with torch.no_grad():
             errors[activation_scale] = (model(x).double() - reference).square().sum().item()
     assert errors["token-mse"] < 0.9 * errors["token"], errors
+
+
+def test_a_second_calibrate_warns_that_fitted_weights_stay():
+    model = mlp()
+    qfp8.quantize(model, accuracy="gptq", activations="static", weight_scale="tensor", exclude=())
+    with qfp8.calibrate(model):
+        model(outlier_inputs(64, 256, seed=3))
+    fitted = {name: m.canonical_weight().view(torch.uint8).clone() for name, m in model.named_children() if m._buffers}
+    first_scale = model[0].input_scale.clone()
+    with pytest.warns(UserWarning, match=r"calibrate: 2 layer\(s\) \(0, 2\) already had their FP8 weights chosen"):
+        with qfp8.calibrate(model):
+            model(outlier_inputs(64, 256, seed=5) * 4)
+    for name, before in fitted.items():
+        assert torch.equal(model.get_submodule(name).canonical_weight().view(torch.uint8), before)
+    assert model[0].input_scale > first_scale  # the static scales were measured afresh
+
+
+@pytest.mark.parametrize("accuracy", [None, "gptq"])
+def test_an_exception_inside_calibrate_leaves_the_model_as_before(accuracy):
+    """Ctrl-C or a failing data loader: nothing recorded in the block is used, and the exception comes through."""
+    model = mlp()
+    qfp8.quantize(model, accuracy=accuracy, activations="static", weight_scale="tensor", exclude=())
+    weights = [m.canonical_weight().view(torch.uint8).clone() for m in (model[0], model[2])]
+    with pytest.raises(KeyboardInterrupt):
+        with qfp8.calibrate(model):
+            model(outlier_inputs(64, 256, seed=3))
+            raise KeyboardInterrupt
+    for layer, before in zip((model[0], model[2]), weights, strict=True):
+        assert not layer.calibrating and layer.input_scale is None and layer.hessian is None
+        assert layer.accuracy_pending == bool(accuracy)
+        assert torch.equal(layer.canonical_weight().view(torch.uint8), before)
+    with pytest.raises(RuntimeError, match="never calibrated"):
+        qfp8.freeze(model)
+    with qfp8.calibrate(model):  # a clean pass afterwards calibrates as usual
+        model(outlier_inputs(64, 256, seed=3))
+    qfp8.freeze(model)
+    with torch.no_grad():
+        assert torch.isfinite(model(outlier_inputs(8, 256, seed=4))).all()

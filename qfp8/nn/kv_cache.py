@@ -457,6 +457,23 @@ class Float8KVAttentionMixin:
         base = type(self).__mro__[type(self).__mro__.index(Float8KVAttentionMixin) + 1]
         return _unpickle_attention, (base,), self.__getstate__()
 
+    def _apply(self, fn, recurse=True):
+        # Scales stay float32 when the model's dtype changes (model.to(torch.bfloat16) casts every floating
+        # buffer); only their device follows. The contract: scales are float32 in memory and on disk.
+        kept = {name: self._buffers.get(name) for name in ("k_scale", "v_scale")}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers.get(name)
+            if before is not None and after is not None and after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)
+        return self
+
+    def abort_calibration(self) -> None:
+        """Leaves calibration without using what it recorded: the scales stay as they were before it."""
+        self.qfp8_kv_calibrating = False
+        self._kv_amax = None
+        self._kv_rows = ([], [])
+
     def start_calibration(self) -> None:
         self.qfp8_kv_calibrating = True
         self._kv_amax: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -527,6 +527,14 @@ class QLinear(nn.Module):
                 self.in_features, self.in_features, dtype=torch.float32, device=self.float_weight.device
             )
 
+    def abort_calibration(self) -> None:
+        """Leaves calibration without using what it recorded (an exception in the block): the layer's scales,
+        weights and any float weight still waiting for an accuracy mode stay as they were before it."""
+        self.calibrating = False
+        self._calibration_amax = None
+        self.hessian = None
+        self._bind_op()
+
     def end_calibration(self) -> None:
         self.calibrating = False
         if self._calibration_amax is not None:

@@ -535,3 +535,17 @@ def test_deepcopied_cache_serves_the_same_model(cache_class):
         outputs.append(model.generate(full, cache=copied, max_new_tokens=5, do_sample=False))
     assert torch.equal(outputs[0], outputs[1])  # the original cache was not advanced by the first generate
     assert prompt_cache.get_seq_length() == 10
+
+
+def test_static_scales_stay_float32_when_the_model_dtype_changes(base_model, tmp_path):
+    """model.to(bfloat16) after calibration must not round k_scale/v_scale (scales are float32 in memory and on disk)."""
+    model = copy.deepcopy(base_model)
+    kvc.enable_fp8_kv_cache(model)
+    with qfp8.calibrate(model):
+        model(torch.randint(0, 128, (1, 16)))
+    attention = model.model.layers[0].self_attn
+    scales = attention.k_scale.clone(), attention.v_scale.clone()
+    model.to(torch.bfloat16)
+    assert attention.k_scale.dtype == attention.v_scale.dtype == torch.float32
+    assert torch.equal(attention.k_scale, scales[0]) and torch.equal(attention.v_scale, scales[1])
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16  # the rest did change
