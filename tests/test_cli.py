@@ -1,7 +1,9 @@
 """``python -m qfp8``: user errors as one line (status 2), mistyped local paths, sliding-window KV cache."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +114,64 @@ def test_quantize_kv_cache_of_a_sliding_window_mistral(tmp_path):
     with torch.no_grad():
         out = model.generate(torch.randint(0, 100, (1, 8)), max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 10)
+
+
+class CalibrationStarted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("case", ["max-shard-size", "dst-cannot-be-created", "valid"])
+def test_quantize_checks_shard_size_and_dst_before_calibrating(float_folder, tmp_path, monkeypatch, capsys, case):
+    """A typo in --max-shard-size, or a DST that cannot be written, fails before the (long) calibration starts."""
+    monkeypatch.delenv("QFP8_TRACEBACK", raising=False)
+    from qfp8.checkpoint import stream
+
+    def calibration(*args, **kwargs):  # stands for the calibration / GPTQ pass: hours on a large model
+        raise CalibrationStarted
+
+    monkeypatch.setattr(stream.layerwise, "calibrate_layerwise", calibration)
+    (tmp_path / "ids.txt").write_text(" ".join(str(i % 128) for i in range(64)) + "\n")
+    dst, options = tmp_path / "out", ["--max-shard-size", "2GiBB"]
+    expected = "qfp8 quantize: error: max_shard_size must be a positive size like '5GB' or an int of bytes, got '2GiBB'"
+    if case == "dst-cannot-be-created":
+        if not os.path.isdir("/proc/self"):
+            pytest.skip("needs Linux's /proc, where no folder can be created")
+        dst, options = Path("/proc/qfp8_test_out/fp8"), []
+        expected = f"qfp8 quantize: error: DST {dst}: cannot write there (it would be created in /proc): "
+    elif case == "valid":
+        options = ["--max-shard-size", "2GiB"]
+    args = ["quantize", float_folder, dst, "--accuracy", "gptq", "--calibration-ids", tmp_path / "ids.txt"]
+    if case == "valid":  # the same command with good options gets as far as calibrating
+        with pytest.raises(CalibrationStarted):
+            command_line(monkeypatch, capsys, *args, *options, "--no-progress")
+        return
+    status, err = command_line(monkeypatch, capsys, *args, *options, "--no-progress")
+    assert status == 2
+    assert err.startswith(expected) and err.count("\n") == 1, err
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize("case", ["text-folder", "ids-folder", "text-not-utf8", "text-missing"])
+def test_unreadable_calibration_file_is_one_line_naming_it(float_folder, tmp_path, monkeypatch, capsys, case):
+    monkeypatch.delenv("QFP8_TRACEBACK", raising=False)
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00text")
+    path, option, expected = {
+        "text-folder": (tmp_path, "--calibration", f"calibration text file {tmp_path} is a folder, not a file"),
+        "ids-folder": (tmp_path, "--calibration-ids", f"--calibration-ids file {tmp_path} is a folder, not a file"),
+        "text-not-utf8": (
+            tmp_path / "binary.txt",
+            "--calibration",
+            f"calibration text file {tmp_path / 'binary.txt'} is not UTF-8 text (byte 0: invalid start byte)",
+        ),
+        "text-missing": (
+            tmp_path / "none.txt",
+            "--calibration",
+            f"calibration text file {tmp_path / 'none.txt'}: no such",
+        ),
+    }[case]
+    dst = tmp_path / "out"
+    args = ["quantize", float_folder, dst, "--activations", "static", option, path, "--no-progress"]
+    status, err = command_line(monkeypatch, capsys, *args)
+    assert status == 2
+    assert err.startswith(f"qfp8 quantize: error: {expected}") and err.count("\n") == 1, err
+    assert not dst.exists()

@@ -23,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import struct
 import tempfile
 from collections.abc import Callable, Iterable
@@ -223,6 +224,34 @@ def write_safetensors(path: str | os.PathLike, tensors: Iterable[PlannedTensor],
         os.fsync(f.fileno())
 
 
+# AtomicDirectoryWrite's temporary files: ".{name}.qfp8-{8 random characters}.tmp" (tempfile.mkstemp's random
+# part), and before that ".{name}.{8 random characters}.tmp", which only the checkpoint's own names are taken for.
+TEMP_FILE = re.compile(r"\.(?P<name>.+)\.qfp8-[a-z0-9_]{8}\.tmp")
+OLD_TEMP_FILE = re.compile(
+    r"\.(?P<name>model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|config\.json)\.[a-z0-9_]{8}\.tmp"
+)
+
+
+def is_temporary_file(name: str) -> bool:
+    """Whether ``name`` is one of AtomicDirectoryWrite's temporary files (other names are never removed)."""
+    return bool(TEMP_FILE.fullmatch(name) or OLD_TEMP_FILE.fullmatch(name))
+
+
+def check_writable(directory: str | os.PathLike, caller: str) -> None:
+    """A ValueError naming ``directory`` if no file can be created in it (or, when it does not exist yet, in the
+    nearest existing folder above it, where it would be created). Leaves nothing behind.
+
+    Meant to run before long work whose result is written there: a folder that cannot be written fails at once.
+    """
+    directory = Path(directory)
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".qfp8-write-check.", dir=existing))
+    except OSError as error:
+        where = "" if existing == directory else f" (it would be created in {existing})"
+        raise ValueError(f"{caller} {directory}: cannot write there{where}: {error.strerror or error}") from None
+
+
 class AtomicDirectoryWrite:
     """Files written under temporary names in ``directory``, renamed into place together at the end.
 
@@ -230,16 +259,33 @@ class AtomicDirectoryWrite:
     and the files already in ``directory`` (an older checkpoint) are left as
     they were. ``stale`` files (an older checkpoint's shards that the new one
     does not have) are removed after the renames.
+
+    A process killed while writing (SIGKILL, or SIGTERM without a handler)
+    cannot remove its temporary files; the next write into the folder removes
+    every file named as these are (see :func:`is_temporary_file`) when it
+    starts. Two writes into one folder at the same time are not supported.
     """
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.pending: dict[str, Path] = {}
+        self.removed_leftovers = self._remove_leftovers()
+
+    def _remove_leftovers(self) -> list[str]:
+        """Removes the temporary files an earlier, killed write left in the folder; returns their names."""
+        removed = []
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False) and is_temporary_file(entry.name):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+                        removed.append(entry.name)
+        return sorted(removed)
 
     def path_for(self, name: str) -> Path:
         """A temporary path whose file becomes ``directory/name`` on commit."""
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.directory)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.qfp8-", suffix=".tmp", dir=self.directory)
         os.close(fd)
         self.pending[name] = Path(tmp)
         return Path(tmp)

@@ -36,12 +36,17 @@ are held in memory until written (the size of the FP8 checkpoint).
 As ``qfp8.save_pretrained`` does, it writes ``quant_method: "qfp8"`` for
 e5m2 weights or an e5m2 KV cache, and warns (before any work) about that or
 about what vLLM would refuse or could not run (see qfp8/checkpoint/config.py).
+``--max-shard-size``, whether DST can be written, and the calibration file
+are checked before the calibration too. ``qfp8 quantize`` stops on SIGTERM
+as on Ctrl-C: no partial file is left in DST.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -52,8 +57,14 @@ from qfp8 import formats, rounding
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint import layerwise
 from qfp8.checkpoint.readers import open_checkpoint
-from qfp8.checkpoint.safetensors_io import PlannedTensor
-from qfp8.checkpoint.writer import DEFAULT_MAX_SHARD_SIZE, carried_files, check_output_directory, write_checkpoint
+from qfp8.checkpoint.safetensors_io import PlannedTensor, check_writable
+from qfp8.checkpoint.writer import (
+    DEFAULT_MAX_SHARD_SIZE,
+    carried_files,
+    check_output_directory,
+    parse_size,
+    write_checkpoint,
+)
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.quantize import DEFAULT_EXCLUDE, KV_CACHE_DTYPES, exclude_patterns, excluded_by, unmatched_exclude_notes
 
@@ -105,6 +116,22 @@ def _linear_names(config_dir: Path) -> list[str]:
     return [name for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, torch.nn.Linear)]
 
 
+def read_user_file(path: str | os.PathLike, what: str, read=Path.read_text):
+    """``read(Path(path))``; a file that cannot be read (a folder, no permission, not UTF-8 text) is a user
+    error naming ``what`` and the path: ValueError (FileNotFoundError when it does not exist)."""
+    path = Path(path)
+    try:
+        return read(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {path} is a folder, not a file") from None
+    except OSError as error:
+        raise ValueError(f"{what} {path} cannot be read: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
+
+
 def stream_quantize(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -141,7 +168,9 @@ def stream_quantize(
     scheme = QuantizationScheme.from_args(weights, weight_scale_granularity, activations, activation_scale, block_size)
     if kv_cache not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache {kv_cache!r}; expected one of {list(KV_CACHE_DTYPES)}")
+    # Cheap checks of what is used only at the end come first: calibration can take hours.
     check_output_directory(dst, "DST")
+    parse_size(max_shard_size)
     checkpoint = open_checkpoint(src)
     # samefile: the same folder also through "..", symbolic links or a Hub cache path.
     if Path(dst).is_dir() and os.path.samefile(checkpoint.directory, dst):
@@ -154,11 +183,12 @@ def stream_quantize(
         raise ValueError(
             f"{checkpoint.directory}: already quantized ({plan.format}); qfp8 quantize takes a float checkpoint"
         )
+    check_writable(dst, "DST")
     needs_calibration = scheme.activations == "static" or kv_cache is not None or accuracy is not None
     if needs_calibration:
         layerwise.check_architecture(checkpoint.config, checkpoint.directory)
         if calibration_ids is None:
-            text = None if calibration is None else Path(calibration).read_text()
+            text = None if calibration is None else read_user_file(calibration, "calibration text file")
             tokenizer = layerwise.load_tokenizer(checkpoint.directory)
             if calibration_tokens is None:
                 calibration_tokens = layerwise.DEFAULT_TOKENS if accuracy is None else layerwise.ACCURACY_TOKENS
@@ -375,25 +405,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+@contextlib.contextmanager
+def sigterm_as_exit():
+    """SIGTERM (from ``timeout``, job schedulers, ``docker stop``) raises SystemExit(143) in the main thread, so that
+    a checkpoint being written removes its temporary files as it does on Ctrl-C; elsewhere, nothing changes."""
+
+    def exit_on(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        previous, installed = signal.signal(signal.SIGTERM, exit_on), True
+    except ValueError:  # not the main thread
+        previous, installed = None, False
+    try:
+        yield
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def run(args: argparse.Namespace) -> int:
-    summary = stream_quantize(
-        args.src,
-        args.dst,
-        weights=args.weights,
-        weight_scale_granularity=args.weight_scale,
-        activations=args.activations,
-        activation_scale=args.activation_scale,
-        exclude=DEFAULT_EXCLUDE if args.exclude is None else tuple(args.exclude),
-        block_size=tuple(args.block_size),
-        max_shard_size=args.max_shard_size,
-        progress=not args.no_progress,
-        kv_cache=args.kv_cache,
-        calibration=args.calibration,
-        calibration_ids=None if args.calibration_ids is None else layerwise.read_token_ids(args.calibration_ids),
-        calibration_tokens=args.calibration_tokens,
-        calibration_batch_size=args.calibration_batch_size,
-        accuracy=args.accuracy,
-    )
+    calibration_ids = None
+    if args.calibration_ids is not None:
+        calibration_ids = read_user_file(args.calibration_ids, "--calibration-ids file", layerwise.read_token_ids)
+    with sigterm_as_exit():
+        summary = stream_quantize(
+            args.src,
+            args.dst,
+            weights=args.weights,
+            weight_scale_granularity=args.weight_scale,
+            activations=args.activations,
+            activation_scale=args.activation_scale,
+            exclude=DEFAULT_EXCLUDE if args.exclude is None else tuple(args.exclude),
+            block_size=tuple(args.block_size),
+            max_shard_size=args.max_shard_size,
+            progress=not args.no_progress,
+            kv_cache=args.kv_cache,
+            calibration=args.calibration,
+            calibration_ids=calibration_ids,
+            calibration_tokens=args.calibration_tokens,
+            calibration_batch_size=args.calibration_batch_size,
+            accuracy=args.accuracy,
+        )
     calibrated = (
         f", {summary['calibrated']} static scales and {summary['accuracy_weights']} accuracy-mode weights "
         f"calibrated on {summary['calibration_tokens']} tokens"

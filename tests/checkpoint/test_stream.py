@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -143,3 +145,65 @@ def test_inspect(tiny, tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["quantized_modules"] == 14 and sum(g["count"] for g in info["groups"]) == 14
     assert info["kv_cache"]["dtype"] is None
+
+
+def test_leftover_temporary_files_of_a_killed_write_are_removed(tiny, tmp_path):
+    """SIGKILL while writing leaves hidden partial shards; the next write into the folder removes them (only them)."""
+    source, dst = tmp_path / "float", tmp_path / "fp8"
+    tiny.model().save_pretrained(source)
+    dst.mkdir()
+    leftovers = [
+        ".model-00002-of-00003.safetensors.qfp8-k2_x9ab0.tmp",  # named as AtomicDirectoryWrite names them
+        ".config.json.qfp8-abcdefgh.tmp",
+        ".tokenizer.json.qfp8-00000000.tmp",
+        ".model.safetensors.q1w2e3r4.tmp",  # as earlier qfp8 versions named them
+        ".model.safetensors.index.json.zz_9yy8x.tmp",
+    ]
+    users = [
+        ".notes.abcdefgh.tmp",  # the earlier pattern, but not a checkpoint file's name
+        "model.safetensors.qfp8-abcdefgh.tmp",  # not hidden
+        ".model.safetensors.qfp8-abc.tmp",  # not 8 random characters
+        ".model.safetensors.qfp8-ABCDEFGH.tmp",
+        ".model.safetensors.qfp8-abcdefgh.tmp.bak",
+        "scratch.tmp",
+    ]
+    for name in leftovers + users:
+        (dst / name).write_bytes(b"partial")
+    (dst / ".config.json.qfp8-fedcba98.tmp").mkdir()  # a folder is never removed
+    main(["quantize", str(source), str(dst), "--no-progress"])
+    assert sorted(p.name for p in dst.iterdir() if "tmp" in p.name) == sorted(
+        users + [".config.json.qfp8-fedcba98.tmp"]
+    )
+    assert all((dst / name).read_bytes() == b"partial" for name in users)
+    assert qfp8.from_pretrained(dst) is not None
+
+
+def test_sigterm_while_writing_removes_the_temporary_files(tiny, tmp_path, monkeypatch):
+    """SIGTERM (``timeout``, schedulers, ``docker stop``) stops ``qfp8 quantize`` as Ctrl-C does: no partial shard."""
+    from qfp8.checkpoint import stream
+
+    source, dst = tmp_path / "float", tmp_path / "fp8"
+    tiny.model().save_pretrained(source)
+    dst.mkdir()
+    (dst / "mine.txt").write_text("kept")
+    quantize_rows, seen = stream.quantize_rows, []
+
+    def terminated_while_writing(*args):
+        seen.append(sorted(p.name for p in dst.iterdir()))
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode
+        return quantize_rows(*args)
+
+    def not_ours(signum, frame):
+        raise AssertionError("SIGTERM reached the test's own handler, not qfp8 quantize's")
+
+    monkeypatch.setattr(stream, "quantize_rows", terminated_while_writing)
+    previous = signal.signal(signal.SIGTERM, not_ours)  # without qfp8's handler, the default would end pytest
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            main(["quantize", str(source), str(dst), "--no-progress"])
+        assert signal.getsignal(signal.SIGTERM) is not_ours  # put back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert any(name.endswith(".tmp") for name in seen[0])  # it was writing a shard
+    assert sorted(p.name for p in dst.iterdir()) == ["mine.txt"]
