@@ -149,6 +149,12 @@ def excluded_by(name: str, patterns) -> str | None:
 PLAIN_LINEAR_SUBCLASSES = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
 
 
+META_REASON = (
+    "weight is on the meta device (offloaded by accelerate, or never loaded): load the model without disk "
+    "offload, or stream the checkpoint with `qfp8 quantize`; qfp8.from_pretrained loads a quantized one"
+)
+
+
 def _skip_reason(module: nn.Linear) -> str | None:
     cls = type(module)
     plain = f"{cls.__module__}.{cls.__qualname__}" in PLAIN_LINEAR_SUBCLASSES
@@ -159,7 +165,7 @@ def _skip_reason(module: nn.Linear) -> str | None:
     if not module.weight.is_floating_point() or module.weight.dtype in formats.FP8_DTYPES.values():
         return f"weight dtype {module.weight.dtype} is not a float format"
     if module.weight.device.type == "meta":
-        return "weight is on the meta device (load it first, or use qfp8.from_pretrained)"
+        return META_REASON
     if module.weight.numel() == 0:
         return "empty weight"
     return None
@@ -202,6 +208,11 @@ def _carry_hooks(linear: nn.Linear, qlinear: QLinear, name: str) -> None:
             for attr in (main, *companions):
                 qlinear.__dict__[attr] = linear.__dict__[attr]
     qlinear.__dict__["_fast"] = None
+    accelerate_hook = getattr(linear, "_hf_hook", None)
+    if accelerate_hook is not None:  # dispatch_model's device hook on a single Linear (a split lm_head, say)
+        from accelerate.hooks import add_hook_to_module
+
+        add_hook_to_module(qlinear, accelerate_hook)
     dropped = sum(len(getattr(linear, attr)) for attr in _DROPPED_HOOKS)
     if dropped:
         warnings.warn(
@@ -350,6 +361,14 @@ def quantize(
     if user_patterns:
         notes += unmatched_exclude_notes(exclude, linear_names, type(model).__name__, "quantize")
     _find_other_weights(model, report)
+    on_meta = [e.name for e in report.entries if e.reason == META_REASON]
+    if on_meta and len(on_meta) < len(report.entries):
+        shown = ", ".join(on_meta[:3]) + (f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else "")
+        notes.append(
+            f"quantize: {len(on_meta)} of {len(report.entries)} nn.Linear stay in float because their weights are on "
+            f"the meta device ({shown}; accelerate's disk offload keeps them there until a forward): load the model "
+            "without disk offload to quantize them all"
+        )
     all_excluded = user_patterns and all(e.reason.startswith("excluded by pattern") for e in report.entries)
     if not report.quantized and not (report.entries and all_excluded):
         why = (

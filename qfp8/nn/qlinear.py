@@ -143,6 +143,11 @@ class _WatchedDict(collections.OrderedDict):
 _WATCHED = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
+def _is_own_forward(module: nn.Module, forward) -> bool:
+    """True when ``forward`` is ``type(module).forward`` bound to ``module`` (no wrapper)."""
+    return getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward
+
+
 class QLinear(nn.Module):
     def __init__(
         self,
@@ -180,8 +185,10 @@ class QLinear(nn.Module):
         # Accuracy mode (qfp8/rounding.py): the float weight is kept until
         # calibration has gathered H = sum x^T x, then re-quantized with it.
         self.accuracy: str | None = None
-        self.register_buffer("float_weight", None, persistent=False)
-        self.register_buffer("hessian", None, persistent=False)
+        # Plain attributes, not buffers (accelerate's offload moves every buffer
+        # and fails on an empty slot); _apply moves them with the module.
+        self.float_weight: torch.Tensor | None = None
+        self.hessian: torch.Tensor | None = None
         self._use_kernel(REFERENCE_KERNEL)
 
     # ------------------------------------------------------------ building
@@ -335,8 +342,10 @@ class QLinear(nn.Module):
             and all(type(state.get(name)) is _WatchedDict and state[name].owner() is self for name in _WATCHED)
             and not any(state[name] for name in _WATCHED)
             # An instance-level `forward` (accelerate's device and offload
-            # hooks wrap it so) or `module.compile()` needs nn.Module.__call__.
-            and "forward" not in state
+            # hooks wrap it so) or `module.compile()` needs nn.Module.__call__;
+            # the class's own forward bound to the module (what accelerate's
+            # remove_hook_from_module leaves) does not.
+            and ("forward" not in state or _is_own_forward(self, state["forward"]))
             and state.get("_compiled_call_impl") is None
         ):
             fast = state["_fast_op"]
@@ -396,6 +405,10 @@ class QLinear(nn.Module):
         # is chosen again for it (a float64 layer takes the reference route).
         probe = torch.empty(0, dtype=self.orig_dtype, device=self.weight_scale.device)
         self.orig_dtype = fn(probe).dtype if self.bias is None else self.bias.dtype
+        if self.float_weight is not None:  # follows the module as a weight would
+            self.float_weight = fn(self.float_weight)
+        if self.hessian is not None:  # float32 sums: only the device follows
+            self.hessian = self.hessian.to(self.weight_scale.device)
         self.pack_for_device()
         return self
 
