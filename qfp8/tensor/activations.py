@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qfp8 import formats
-from qfp8.tensor.base import CONVERSIONS, Float8Tensor, conversion_target
+from qfp8.tensor.base import CONVERSIONS, Float8Tensor, convert
 
 aten = torch.ops.aten
 
@@ -171,16 +171,4 @@ def _(func, types, args, kwargs):
 @Float8ActivationTensor.implements(*CONVERSIONS)
 def _(func, types, args, kwargs):
     x = args[0]
-    target = conversion_target(func, args, kwargs)
-    if target is None:  # x.type(): the type's name
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-    device, dtype = target
-    if dtype is not None and dtype not in formats.FP8_DTYPES.values():
-        out = x.dequantize(dtype)  # a float dtype asks for a float tensor: an explicit dequantize
-        return out.to(device) if device is not None else out
-    if dtype is not None and dtype != x.fp8_dtype:
-        raise TypeError(f"Float8ActivationTensor.to({dtype}): converting between FP8 formats is not supported")
-    if device is None or device == x.qdata.device:
-        return x
-    return x._with(qdata=x.qdata.to(device), scale=x.scale.to(device))
+    return convert(x, func, args, kwargs, lambda device: x._with(qdata=x.qdata.to(device), scale=x.scale.to(device)))

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from qfp8 import formats
+
 
 class Float8Tensor(torch.Tensor):
     tensor_data_names: tuple[str, ...] = ()
@@ -118,6 +120,24 @@ def conversion_target(func, args, kwargs) -> tuple[torch.device | None, torch.dt
         elif isinstance(arg, torch.Tensor):
             device, dtype = arg.device, arg.dtype
     return (torch.device(device) if device is not None else None), dtype
+
+
+def convert(tensor, func, args, kwargs, moved: Callable[[torch.device], torch.Tensor]):
+    """A conversion of :data:`CONVERSIONS` on an FP8 tensor: a float dtype dequantizes, its own FP8 dtype and
+    device return it, another device gives ``moved(device)``; another FP8 dtype is a TypeError."""
+    target = conversion_target(func, args, kwargs)
+    if target is None:  # x.type(): the type's name
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    device, dtype = target
+    if dtype is not None and dtype not in formats.FP8_DTYPES.values():
+        out = tensor.dequantize(dtype)  # a float dtype asks for a float tensor: an explicit dequantize
+        return out.to(device) if device is not None else out
+    if dtype is not None and dtype != tensor.fp8_dtype:
+        raise TypeError(f"{type(tensor).__name__}.to({dtype}): converting between FP8 formats is not supported")
+    if device is None or device == tensor.qdata.device:
+        return tensor
+    return moved(device)
 
 
 def _subclasses_in(types):

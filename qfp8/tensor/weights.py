@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from qfp8 import formats
 from qfp8.library import autograd
 from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest, kernel_by_name
-from qfp8.tensor.base import CONVERSIONS, Float8Tensor, conversion_target
+from qfp8.tensor.base import CONVERSIONS, Float8Tensor, convert
 
 aten = torch.ops.aten
 
@@ -212,17 +212,8 @@ def _(func, types, args, kwargs):
 @Float8WeightTensor.implements(*CONVERSIONS)
 def _(func, types, args, kwargs):
     w = args[0]
-    target = conversion_target(func, args, kwargs)
-    if target is None:  # w.type(): the type's name
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-    device, dtype = target
-    if dtype is not None and dtype not in formats.FP8_DTYPES.values():
-        out = w.dequantize(dtype)  # a float dtype asks for a float tensor: an explicit dequantize
-        return out.to(device) if device is not None else out
-    if dtype is not None and dtype in formats.FP8_DTYPES.values() and dtype != w.fp8_dtype:
-        raise TypeError(f"Float8WeightTensor.to({dtype}): converting between FP8 formats is not supported")
-    if device is None or device == w.qdata.device:
-        return w
-    # A kernel layout belongs to its device: move the canonical form.
-    return w._with(qdata=w.canonical_qdata().to(device), scale=w.scale.to(device), packing="reference")
+
+    def moved(device):  # a kernel layout belongs to its device: move the canonical form
+        return w._with(qdata=w.canonical_qdata().to(device), scale=w.scale.to(device), packing="reference")
+
+    return convert(w, func, args, kwargs, moved)
