@@ -33,7 +33,7 @@ same layer-by-layer calibration (qfp8/rounding.py); they equal in-memory
 ``qfp8.quantize(..., accuracy=...)`` + ``qfp8.calibrate``, bit for bit, and
 are held in memory until written (the size of the FP8 checkpoint).
 
-As ``qfp8.save_pretrained`` does, it writes ``quant_method: "qfp8"`` for
+As ``qfp8.save_pretrained`` does, it marks ``qfp8_method: "qfp8"`` (no ``quant_method``) for
 e5m2 weights or an e5m2 KV cache, and warns (before any work) about that or
 about what vLLM would refuse or could not run (see qfp8/checkpoint/config.py).
 ``--max-shard-size``, whether DST can be written, and the calibration file
@@ -220,7 +220,7 @@ def stream_quantize(
         quantized[name] = scheme
         layers[name] = (scheme, shape)
     kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
-    # Said before the work: quant_method "qfp8", or what vLLM would refuse (see qfp8/checkpoint/config.py).
+    # Said before the work: a qfp8-only checkpoint, or what vLLM would refuse (see qfp8/checkpoint/config.py).
     for message in qconfig.save_warnings(layers, kv_dtype):
         warnings.warn(message, UserWarning, stacklevel=2)
 

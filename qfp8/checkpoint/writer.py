@@ -262,11 +262,12 @@ def save_pretrained(
 ) -> Path:
     """Saves a quantized model as a compressed-tensors ``float-quantized`` checkpoint (vLLM/transformers load it).
 
-    e5m2 weights or a KV cache that is not e4m3fn get ``quant_method: "qfp8"``
-    (only qfp8 reads them) and a UserWarning; so does, with the rule it breaks,
-    a checkpoint vLLM would refuse or could not run (block weights with static
-    inputs, fused q/k/v or gate/up shards quantized differently, block shapes
-    its kernels cannot take): see qfp8/checkpoint/config.py.
+    e5m2 weights or a KV cache that is not e4m3fn are marked ``qfp8_method:
+    "qfp8"`` instead of a ``quant_method`` (only qfp8 reads them; vLLM and
+    transformers refuse them) with a UserWarning; a checkpoint vLLM would
+    refuse or could not run (block weights with static inputs, fused q/k/v or
+    gate/up shards quantized differently, W8A8 block shapes its kernels cannot
+    take) gets a UserWarning naming the rule: see qfp8/checkpoint/config.py.
 
     Tokenizer and generation files come from ``tokenizer`` if given, else from
     the folder the model was loaded from (``config._name_or_path``) when it has them.
