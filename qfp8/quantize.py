@@ -294,7 +294,8 @@ def quantize(
     if isinstance(model, nn.Linear) and not isinstance(model, QLinear):
         raise ValueError(
             f"quantize: the model is itself an nn.Linear ({model.in_features} -> {model.out_features}), which "
-            "cannot be replaced in place; wrap it (nn.Sequential(linear)) or use qfp8.QLinear.from_linear(linear)"
+            "cannot be replaced in place; wrap it, quantize the wrapper and take the layer back: "
+            "qfp8.quantize(nn.Sequential(linear))[0][0]"
         )
     if kv_cache not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache {kv_cache!r}; expected one of {list(KV_CACHE_DTYPES)}")

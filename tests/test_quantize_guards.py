@@ -177,8 +177,9 @@ def test_everything_excluded_by_the_user_does_not_warn():
 # ------------------------------------------------------- arguments, memory
 def test_a_bare_linear_is_refused_not_silently_left_float():
     linear = nn.Linear(16, 8)
-    with pytest.raises(ValueError, match=r"itself an nn\.Linear \(16 -> 8\).*nn\.Sequential\(linear\)"):
+    with pytest.raises(ValueError, match=r"itself an nn\.Linear \(16 -> 8\).*nn\.Sequential\(linear\)\)\[0\]\[0\]"):
         qfp8.quantize(linear)
+    assert isinstance(qfp8.quantize(nn.Sequential(linear))[0][0], QLinear)  # the route the message names
     assert type(linear) is nn.Linear and not list(linear.children())  # nothing attached under an empty name
 
 
