@@ -462,6 +462,12 @@ def calibrate(model: nn.Module):
     try:
         with torch.no_grad():
             yield model
+    except GeneratorExit:
+        # The block sat in a generator that its caller closed early (break,
+        # islice): a normal end for the batches that ran, not a failure.
+        for module in modules:
+            module.end_calibration()
+        raise
     except BaseException:
         for module in modules:
             getattr(module, "abort_calibration", module.end_calibration)()

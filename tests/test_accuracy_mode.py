@@ -192,3 +192,23 @@ def test_an_exception_inside_calibrate_leaves_the_model_as_before(accuracy):
     qfp8.freeze(model)
     with torch.no_grad():
         assert torch.isfinite(model(outlier_inputs(8, 256, seed=4))).all()
+
+
+def test_calibrate_in_a_generator_closed_early_keeps_the_batches_that_ran():
+    """GeneratorExit (the caller's break or islice) ends the block normally; it is not a failure to abort."""
+    model = mlp()
+    qfp8.quantize(model, accuracy="gptq", activations="static", weight_scale="tensor", exclude=())
+    batches = outlier_inputs(64, 256, seed=3).split(16)
+
+    def calibrating():
+        with qfp8.calibrate(model):
+            for batch in batches:
+                yield model(batch)
+
+    steps = calibrating()
+    next(steps), next(steps)
+    steps.close()
+    seen = torch.cat(batches[:2]).abs().max().reshape(1)
+    assert torch.equal(model[0].input_scale, formats.scale_from_amax(seen, torch.float8_e4m3fn))
+    assert not model[0].accuracy_pending and not model[2].accuracy_pending
+    qfp8.freeze(model)

@@ -23,7 +23,9 @@ and transformers load natively:
 compressed-tensors' float type means e4m3fn to every reader (vLLM and
 transformers allocate e4m3fn weights and copy the stored values into them, with
 no dtype check). e4m3fnuz weights are written as they are: every e4m3fnuz value
-is exact in e4m3fn. A checkpoint with e5m2 weights or a KV cache that is not
+but 16 small ones (the odd multiples of 2^-10 below 2^-6, finer than e4m3fn's
+subnormal step 2^-9) is exact in e4m3fn; those few round when another reader converts them (a test
+model: 46 of 589,824 weights, logits moved by 7.7e-7). A checkpoint with e5m2 weights or a KV cache that is not
 e4m3fn cannot be said in compressed-tensors terms: it gets the same body
 without ``quant_method``, marked ``qfp8_method: "qfp8"`` instead
 (:func:`qfp8_only_reasons`). Both vLLM ("Unknown quantization method") and
@@ -52,7 +54,8 @@ QUANT_METHOD = "compressed-tensors"
 QFP8_METHOD = "qfp8"
 QFP8_METHOD_KEY = "qfp8_method"
 FLOAT_FORMAT = "float-quantized"
-# Weight dtypes a compressed-tensors float checkpoint may hold: its readers take e4m3fn, and copy e4m3fnuz exactly.
+# Weight dtypes a compressed-tensors float checkpoint may hold: its readers take e4m3fn, and convert e4m3fnuz (exact
+# but for its smallest subnormals, see the module docstring).
 STANDARD_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 # Linears vLLM fuses into one layer: fused name -> shards, in vLLM's order (the last may end in a partial block).
 FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

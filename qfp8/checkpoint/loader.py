@@ -287,7 +287,12 @@ def _build_model(transformers, config, dtype: torch.dtype) -> nn.Module:
     """The class config.json's ``architectures`` names (a classifier, an encoder-decoder...), else a causal LM."""
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
-        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+        # Only a class made for this config: a hand-edited architectures could name another model's.
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, transformers.PreTrainedModel)
+            and isinstance(config, cls.config_class)
+        ):
             return cls._from_config(config, dtype=dtype)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
 

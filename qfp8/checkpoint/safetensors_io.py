@@ -244,7 +244,11 @@ def check_writable(directory: str | os.PathLike, caller: str) -> None:
     Meant to run before long work whose result is written there: a folder that cannot be written fails at once.
     """
     directory = Path(directory)
-    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    existing = next(p for p in (directory, *directory.parents) if p.exists() or p.is_symlink())
+    if not existing.exists():
+        raise ValueError(
+            f"{caller} {directory}: {existing} is a symbolic link to {os.readlink(existing)}, which does not exist"
+        )
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".qfp8-write-check.", dir=existing))
     except OSError as error:

@@ -512,3 +512,15 @@ def test_from_pretrained_of_a_plain_module_points_to_load_state_dict(tmp_path):
     qfp8.load_state_dict(target, load_file(tmp_path / "model.safetensors"))  # the route the message names
     x = torch.randn(3, 32)
     assert torch.equal(target(x), model(x))
+
+
+def test_from_pretrained_ignores_an_architectures_entry_of_another_model_type(tiny, tmp_path, x):
+    """A hand-edited architectures naming a class made for another config falls back to the config's causal LM."""
+    model = quantized_model(tiny, SCHEMES["w-channel"])
+    qfp8.save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert type(loaded) is type(model)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
