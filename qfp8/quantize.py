@@ -445,6 +445,8 @@ def calibrate(model: nn.Module):
     An exception (Ctrl-C included) leaves the block without using what it
     recorded: the model is as it was before it.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"calibrate takes an nn.Module, got {type(model).__name__}")
     modules = list(dict.fromkeys(_calibrated_modules(model)))
     if not modules:
         raise ValueError("calibrate: the model has no QLinear; call qfp8.quantize(model, ...) first")
@@ -489,6 +491,8 @@ def check_calibrated(model: nn.Module, caller: str) -> None:
 
 def freeze(model: nn.Module) -> nn.Module:
     """Checks every layer is ready and packs the weights for their device's kernel."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"freeze takes an nn.Module, got {type(model).__name__}")
     qlinears = _qlinears(model)
     if not qlinears:
         raise ValueError("freeze: the model has no QLinear; call qfp8.quantize(model, ...) first")

@@ -115,6 +115,14 @@ def test_unknown_scheme_strings(kwargs, message):
 def test_not_a_module():
     with pytest.raises(TypeError, match="nn.Module"):
         qfp8.quantize(torch.randn(3))
+    with pytest.raises(TypeError, match="calibrate takes an nn.Module, got str"):
+        with qfp8.calibrate("model"):
+            pass
+    with pytest.raises(TypeError, match="freeze takes an nn.Module, got Tensor"):
+        qfp8.freeze(torch.randn(3))
+    model, _ = qfp8.quantize(nn.Sequential(nn.Linear(16, 8)))
+    with pytest.raises(TypeError, match=r"load_state_dict takes a dict of tensors, got str .*load_file"):
+        qfp8.load_state_dict(model, "model.safetensors")
 
 
 def test_static_never_calibrated_freeze_says_what_to_do():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -258,6 +259,11 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_state_dict takes an nn.Module, got {type(model).__name__}")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"load_state_dict takes a dict of tensors, got {type(state_dict).__name__} (for a file: "
+            "safetensors.torch.load_file(path))"
+        )
     if not any(isinstance(m, QLinear) for m in model.modules()):
         raise ValueError("load_state_dict: the model has no QLinear; quantize it (or build it with from_pretrained)")
     state = normalize_state_dict(state_dict)
