@@ -246,6 +246,11 @@ def _find_other_weights(model: nn.Module, report: QuantizeReport) -> None:
     report.other_fraction = other / (linear + other) if other else 0.0
 
 
+def _first_names(names: list[str], limit: int) -> str:
+    """``names`` for a message: the first ``limit``, then how many more."""
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -364,7 +369,7 @@ def quantize(
     _find_other_weights(model, report)
     on_meta = [e.name for e in report.entries if e.reason == META_REASON]
     if on_meta and len(on_meta) < len(report.entries):
-        shown = ", ".join(on_meta[:3]) + (f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else "")
+        shown = _first_names(on_meta, 3)
         notes.append(
             f"quantize: {len(on_meta)} of {len(report.entries)} nn.Linear stay in float because their weights are on "
             f"the meta device ({shown}; accelerate's disk offload keeps them there until a forward): load the model "
@@ -452,7 +457,7 @@ def calibrate(model: nn.Module):
         raise ValueError("calibrate: the model has no QLinear; call qfp8.quantize(model, ...) first")
     fitted = [name for name, m in _qlinears(model).items() if m.accuracy and not m.accuracy_pending]
     if fitted:
-        shown = ", ".join(fitted[:3]) + (f" and {len(fitted) - 3} more" if len(fitted) > 3 else "")
+        shown = _first_names(fitted, 3)
         warnings.warn(
             f"calibrate: {len(fitted)} layer(s) ({shown}) already had their FP8 weights chosen by their accuracy "
             "mode in an earlier calibrate, and their float weights are gone: this pass re-measures static scales "
@@ -482,7 +487,7 @@ def check_calibrated(model: nn.Module, caller: str) -> None:
     """RuntimeError naming the layers that still wait for calibration (static scales, an accuracy mode)."""
     pending = [name for name, module in _qlinears(model).items() if not module.is_calibrated or module.accuracy_pending]
     if pending:
-        shown = ", ".join(pending[:5]) + (f" and {len(pending) - 5} more" if len(pending) > 5 else "")
+        shown = _first_names(pending, 5)
         raise RuntimeError(
             f"{caller}: {len(pending)} layer(s) with static activation scales or an accuracy mode were never "
             f"calibrated ({shown}); run `with qfp8.calibrate(model): model(batch)` over calibration data first"

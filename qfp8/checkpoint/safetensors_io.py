@@ -237,25 +237,6 @@ def is_temporary_file(name: str) -> bool:
     return bool(TEMP_FILE.fullmatch(name) or OLD_TEMP_FILE.fullmatch(name))
 
 
-def check_writable(directory: str | os.PathLike, caller: str) -> None:
-    """A ValueError naming ``directory`` if no file can be created in it (or, when it does not exist yet, in the
-    nearest existing folder above it, where it would be created). Leaves nothing behind.
-
-    Meant to run before long work whose result is written there: a folder that cannot be written fails at once.
-    """
-    directory = Path(directory)
-    existing = next(p for p in (directory, *directory.parents) if p.exists() or p.is_symlink())
-    if not existing.exists():
-        raise ValueError(
-            f"{caller} {directory}: {existing} is a symbolic link to {os.readlink(existing)}, which does not exist"
-        )
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".qfp8-write-check.", dir=existing))
-    except OSError as error:
-        where = "" if existing == directory else f" (it would be created in {existing})"
-        raise ValueError(f"{caller} {directory}: cannot write there{where}: {error.strerror or error}") from None
-
-
 class AtomicDirectoryWrite:
     """Files written under temporary names in ``directory``, renamed into place together at the end.
 

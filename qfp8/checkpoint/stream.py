@@ -57,7 +57,7 @@ from qfp8 import formats, rounding
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint import layerwise
 from qfp8.checkpoint.readers import open_checkpoint
-from qfp8.checkpoint.safetensors_io import PlannedTensor, check_writable
+from qfp8.checkpoint.safetensors_io import PlannedTensor
 from qfp8.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     carried_files,
@@ -183,7 +183,6 @@ def stream_quantize(
         raise ValueError(
             f"{checkpoint.directory}: already quantized ({plan.format}); qfp8 quantize takes a float checkpoint"
         )
-    check_writable(dst, "DST")
     needs_calibration = scheme.activations == "static" or kv_cache is not None or accuracy is not None
     if needs_calibration:
         layerwise.check_architecture(checkpoint.config, checkpoint.directory)

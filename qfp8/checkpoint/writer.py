@@ -116,7 +116,7 @@ def model_layers(model: nn.Module) -> dict[str, qconfig.Layer]:
 def model_quantization_config(model: nn.Module) -> dict:
     """The compressed-tensors ``quantization_config`` describing ``model``'s QLinears.
 
-    ``quant_method`` is ``"qfp8"`` for what compressed-tensors cannot represent (see qfp8/checkpoint/config.py).
+    What compressed-tensors cannot represent is marked ``qfp8_method: "qfp8"`` instead (see qfp8/checkpoint/config.py).
     """
     layers = model_layers(model)
     schemes = {name: scheme for name, (scheme, _) in layers.items() if scheme is not None}
@@ -180,12 +180,26 @@ def write_checkpoint(
 
 
 def check_output_directory(directory: str | os.PathLike, caller: str) -> Path:
-    """``directory`` as a Path; a ValueError if it (or the first existing folder above it) is not a folder."""
+    """``directory`` as a Path, checked before anything (or long work whose result goes there) is written.
+
+    A ValueError naming it if it, or the first existing path above it (where
+    it would be created), is a file or a dangling symbolic link, or if no file
+    can be created there. Leaves nothing behind.
+    """
     directory = Path(directory)
-    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
+    existing = next(p for p in (directory, *directory.parents) if p.exists() or p.is_symlink())
+    if not existing.exists():
+        raise ValueError(
+            f"{caller} {directory}: {existing} is a symbolic link to {os.readlink(existing)}, which does not exist"
+        )
+    if not existing.is_dir():
         where = "" if existing == directory else f" (in {directory})"
         raise ValueError(f"{caller}: {existing} is a file, not a folder{where}; give a folder for the checkpoint")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".qfp8-write-check.", dir=existing))
+    except OSError as error:
+        where = "" if existing == directory else f" (it would be created in {existing})"
+        raise ValueError(f"{caller} {directory}: cannot write there{where}: {error.strerror or error}") from None
     return directory
 
 

@@ -70,6 +70,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, St
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from qfp8 import formats
+from qfp8.nn.qlinear import keep_buffer_dtypes
 
 KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DYNAMIC_HEADROOM = 2.0
@@ -304,9 +305,7 @@ class _Float8StaticMixin(_Float8LayerMixin):
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
         shape = (self.batch_size, self.num_heads, self.max_cache_len)
-        # Byte buffers viewed as FP8: the writes go to the bytes (index_copy_ has
-        # no FP8 kernel), and inductor cannot write through a dtype view of an
-        # FP8 buffer made inside a compiled graph (a compiled first call).
+        # Bytes, viewed as FP8 by keys / values (see the class docstring).
         self.key_bytes = torch.zeros(*shape, self.k_head_dim, dtype=torch.uint8, device=self.device)
         self.value_bytes = torch.zeros(*shape, self.v_head_dim, dtype=torch.uint8, device=self.device)
         scale_shape = (self.batch_size, self.num_heads, 1, 1)
@@ -460,12 +459,8 @@ class Float8KVAttentionMixin:
     def _apply(self, fn, recurse=True):
         # Scales stay float32 when the model's dtype changes (model.to(torch.bfloat16) casts every floating
         # buffer); only their device follows. The contract: scales are float32 in memory and on disk.
-        kept = {name: self._buffers.get(name) for name in ("k_scale", "v_scale")}
-        super()._apply(fn, recurse)
-        for name, before in kept.items():
-            after = self._buffers.get(name)
-            if before is not None and after is not None and after.dtype != before.dtype:
-                self._buffers[name] = before.to(after.device)
+        with keep_buffer_dtypes(self, ("k_scale", "v_scale")):
+            super()._apply(fn, recurse)
         return self
 
     def abort_calibration(self) -> None:
@@ -563,19 +558,21 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, module in model.named_modules() if _is_llama_attention(module)}
 
 
-def check_supported(model: nn.Module, caller: str) -> None:
-    """Raises ``ValueError`` (naming ``caller``) unless ``model`` is a decoder with Llama-family attention."""
+def check_supported(model: nn.Module, caller: str) -> dict[str, nn.Module]:
+    """:func:`attention_modules` of ``model``; a ``ValueError`` naming ``caller`` unless it is a decoder with some."""
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
             f"{caller}: {type(model).__name__} is an encoder-decoder model; the FP8 KV cache serves decoder-only "
             "models (transformers' EncoderDecoderCache is not supported)"
         )
-    if not attention_modules(model):
+    modules = attention_modules(model)
+    if not modules:
         raise ValueError(
             f"{caller}: {type(model).__name__} has no Llama-family attention module (one with layer_idx, k_proj, "
             "v_proj, head_dim and a forward taking `cache`)"
         )
+    return modules
 
 
 def _cache_from(kwargs: dict):
@@ -736,8 +733,7 @@ def enable_fp8_kv_cache(
     dtype = formats.fp8_dtype(dtype)
     if dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"FP8 KV cache dtype must be one of {[str(d) for d in KV_CACHE_DTYPES]}, got {dtype}")
-    check_supported(model, "enable_fp8_kv_cache")
-    modules = attention_modules(model)
+    modules = check_supported(model, "enable_fp8_kv_cache")
     for module in modules.values():
         if isinstance(module, Float8KVAttentionMixin):
             if module.qfp8_kv_dtype != dtype:  # scales of another format no longer hold

@@ -143,6 +143,18 @@ class _WatchedDict(collections.OrderedDict):
 _WATCHED = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
+@contextlib.contextmanager
+def keep_buffer_dtypes(module: nn.Module, names: tuple[str, ...]):
+    """Around ``nn.Module._apply``: the buffers ``names`` keep their dtype (FP8 data, float32 scales) when the
+    model's dtype changes (``model.to(torch.bfloat16)`` casts every floating buffer); only their device follows."""
+    kept = {name: module._buffers.get(name) for name in names}
+    yield
+    for name, before in kept.items():
+        after = module._buffers.get(name)
+        if before is not None and after is not None and after.dtype != before.dtype:
+            setattr(module, name, before.to(after.device))
+
+
 def _is_own_forward(module: nn.Module, forward) -> bool:
     """True when ``forward`` is ``type(module).forward`` bound to ``module`` (no wrapper)."""
     return getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward
@@ -394,12 +406,8 @@ class QLinear(nn.Module):
         canonical = self.canonical_weight()
         self.qweight = canonical
         self._use_kernel(REFERENCE_KERNEL)
-        kept = {name: getattr(self, name) for name in ("qweight", "weight_scale", "input_scale")}
-        super()._apply(fn, recurse)
-        for name, before in kept.items():
-            after = getattr(self, name)
-            if before is not None and after is not None and after.dtype != before.dtype:
-                setattr(self, name, before.to(after.device))
+        with keep_buffer_dtypes(self, ("qweight", "weight_scale", "input_scale")):
+            super()._apply(fn, recurse)
         # The layer's compute dtype follows the model's (model.double(),
         # .half(), .to(dtype)), with or without a bias to show it; the kernel
         # is chosen again for it (a float64 layer takes the reference route).

@@ -203,11 +203,11 @@ def test_save_onto_a_file_path(tiny, tmp_path):
 
 
 def test_a_destination_behind_a_dangling_link_is_refused_before_any_work(tmp_path):
-    from qfp8.checkpoint.safetensors_io import check_writable
+    from qfp8.checkpoint.writer import check_output_directory
 
     link = tmp_path / "out"
     link.symlink_to(tmp_path / "missing")
     with pytest.raises(ValueError, match=r"DST .*out/sub: .*out is a symbolic link to .*missing, which does not exist"):
-        check_writable(link / "sub", "DST")
-    check_writable(tmp_path / "new" / "folder", "DST")  # a plain missing folder is fine: it would be created
+        check_output_directory(link / "sub", "DST")
+    check_output_directory(tmp_path / "new" / "folder", "DST")  # a plain missing folder is fine: it would be created
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the check leaves nothing behind
