@@ -13,6 +13,7 @@ from torch import nn
 
 from qfp8 import formats, rounding
 from qfp8.nn import QLinear, QuantizationScheme
+from qfp8.nn.experts import QExperts, find_fused_experts, use_eager_experts
 
 KV_CACHE_DTYPES = (None, "float8_e4m3fn", "float8_e5m2")
 # The default ``exclude``: by identity, a model without ``lm_head`` gets no
@@ -46,6 +47,7 @@ class ReportEntry:
     kernel: str = ""
     reason: str = ""
     aliases: list[str] = field(default_factory=list)
+    experts: int = 0  # a fused MoE experts weight: that many [out, in] matrices
 
 
 @dataclass
@@ -83,7 +85,7 @@ class QuantizeReport:
         rows = [
             (
                 e.name + (f" (= {', '.join(e.aliases)})" if e.aliases else ""),
-                f"[{e.out_features}, {e.in_features}]",
+                (f"{e.experts} x " if e.experts else "") + f"[{e.out_features}, {e.in_features}]",
                 "quantized" if e.quantized else "skipped",
                 e.scheme if e.quantized else e.reason,
                 e.kernel,
@@ -113,7 +115,7 @@ class QuantizeReport:
         ]
         return (
             f"not nn.Linear, left in float: {'; '.join(parts)}: {self.other_fraction:.0%} of the matrix weights "
-            "(qfp8 quantizes nn.Linear only)"
+            "(qfp8 quantizes nn.Linear and fused MoE experts)"
         )
 
     __repr__ = __str__
@@ -226,8 +228,11 @@ def _carry_hooks(linear: nn.Linear, qlinear: QLinear, name: str) -> None:
 OTHER_WEIGHTS_WARNING = 0.05
 
 
-def _find_other_weights(model: nn.Module, report: QuantizeReport) -> None:
-    """Fills ``report.others`` and ``report.other_fraction`` (see :class:`QuantizeReport`)."""
+def _find_other_weights(model: nn.Module, report: QuantizeReport, quantized_experts=frozenset()) -> None:
+    """Fills ``report.others`` and ``report.other_fraction`` (see :class:`QuantizeReport`).
+
+    ``quantized_experts``: ids of fused experts parameters being quantized, counted with the Linears.
+    """
     linear = other = 0
     seen: set[int] = set()
     for name, module in model.named_modules():
@@ -237,13 +242,31 @@ def _find_other_weights(model: nn.Module, report: QuantizeReport) -> None:
         for param in module.parameters(recurse=False):
             if param.dim() >= 2 and param.is_floating_point() and id(param) not in seen:
                 seen.add(id(param))
-                numel += param.numel()
+                if id(param) in quantized_experts:
+                    linear += param.numel()
+                else:
+                    numel += param.numel()
         if isinstance(module, nn.Linear):
             linear += numel
         elif numel:
             report.others.append(OtherWeights(name or type(model).__name__, type(module).__name__, numel))
             other += numel
     report.other_fraction = other / (linear + other) if other else 0.0
+
+
+def _experts_reason(item, scheme: QuantizationScheme, accuracy: str | None) -> str:
+    """Why the fused experts weight ``item`` cannot take ``scheme`` ("" when it can)."""
+    if scheme.activations == "static":
+        return "fused MoE experts take no static activation scales (use activations='dynamic' or None)"
+    if accuracy is not None:
+        return f"accuracy={accuracy!r} is not built for fused MoE experts (they would be rounded to nearest)"
+    out_features = item.module._parameters[item.attr].shape[1]
+    if scheme.weight_scale == "block" and item.attr == "gate_up_proj" and (out_features // 2) % scheme.block_size[0]:
+        return (
+            f"block rows of {scheme.block_size[0]} would straddle the gate and up halves ({out_features // 2} rows "
+            "each) that checkpoints store apart"
+        )
+    return ""
 
 
 def _first_names(names: list[str], limit: int) -> str:
@@ -292,6 +315,13 @@ def quantize(
     kept in float (a tied ``lm_head`` and its embedding) stays in float, with
     a warning. Hooks registered on a Linear move to its QLinear. A refused
     call (ValueError) leaves the model as it was.
+
+    Fused MoE experts (transformers' 3-D ``experts.gate_up_proj`` /
+    ``experts.down_proj``) are quantized too, expert by expert, with the same
+    weight scheme and dynamic or no activation quantization (see
+    qfp8/nn/experts.py); their report entries carry ``experts``, and the
+    model then runs its experts one by one (transformers' eager experts
+    implementation). ``exclude`` patterns match their ``<module>.<param>`` names.
     Returns ``(model, report)``.
     """
     if not isinstance(model, nn.Module):
@@ -316,9 +346,9 @@ def quantize(
     user_patterns = exclude is not DEFAULT_EXCLUDE
     exclude = exclude_patterns(exclude)
     for name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, QLinear):
+        if isinstance(module, (QLinear, QExperts)):
             raise ValueError(
-                f"model is already quantized (module {name or type(model).__name__!r} is a QLinear); "
+                f"model is already quantized (module {name or type(model).__name__!r} is a {type(module).__name__}); "
                 "quantize a float model once"
             )
     if kv_cache is not None:
@@ -347,14 +377,27 @@ def quantize(
         entry.quantized = not entry.reason
         planned[id(module)] = entry
         report.entries.append(entry)
+    experts = []  # (entry, FusedExperts): the fused MoE experts weights
+    for item in find_fused_experts(model):
+        count, out_features, in_features = item.module._parameters[item.attr].shape
+        entry = ReportEntry(item.name, in_features, out_features, quantized=False, experts=count)
+        pattern = excluded_by(item.name, exclude)
+        entry.reason = (
+            f"excluded by pattern {pattern!r}" if pattern else item.reason or _experts_reason(item, scheme, accuracy)
+        )
+        entry.quantized = not entry.reason
+        linear_names.append(item.name)
+        experts.append((entry, item))
+        report.entries.append(entry)
 
     # A Linear tied to a module kept in float (an lm_head and its embedding)
     # stays in float: quantizing it would replace the shared Parameter by an
     # FP8 copy, breaking the tie and any checkpoint saved from the model.
     modules = dict(model.named_modules(remove_duplicate=False))
     notes = []
-    tied = _tied_float_holders(model, [modules[entry.name] for entry in report.quantized])
-    for entry in report.quantized:
+    linears = [entry for entry in report.quantized if not entry.experts]
+    tied = _tied_float_holders(model, [modules[entry.name] for entry in linears])
+    for entry in linears:
         others = tied.get(id(modules[entry.name]))
         if others:
             entry.quantized = False
@@ -366,7 +409,8 @@ def quantize(
             )
     if user_patterns:
         notes += unmatched_exclude_notes(exclude, linear_names, type(model).__name__, "quantize")
-    _find_other_weights(model, report)
+    quantized_experts = {id(item.module._parameters[item.attr]) for entry, item in experts if entry.quantized}
+    _find_other_weights(model, report, quantized_experts)
     on_meta = [e.name for e in report.entries if e.reason == META_REASON]
     if on_meta and len(on_meta) < len(report.entries):
         shown = _first_names(on_meta, 3)
@@ -384,15 +428,16 @@ def quantize(
         )
         if report.others:  # GPT-2's Conv1D, for one
             kinds = sorted({other.kind for other in report.others})
-            why += f"; {', '.join(kinds)} layers have weights but qfp8 quantizes nn.Linear only"
+            why += f"; {', '.join(kinds)} layers have weights but qfp8 quantizes nn.Linear (and fused MoE experts) only"
         notes.append(f"quantize: nothing was quantized in {type(model).__name__}: {why}")
     elif report.other_fraction >= OTHER_WEIGHTS_WARNING:  # fused MoE experts, for one
         notes.append(f"quantize: {type(model).__name__}: {report.others_summary()}")
 
     # Validate every weight before changing anything: a refused weight
     # leaves the model as it was.
+    weights_of = {entry.name: item.module._parameters[item.attr] for entry, item in experts}
     for entry in report.quantized:
-        weight = modules[entry.name].weight
+        weight = weights_of[entry.name] if entry.experts else modules[entry.name].weight
         if not torch.isfinite(weight).all():
             raise ValueError(
                 f"module {entry.name!r}: weight {list(weight.shape)} holds NaN/Inf values, which FP8 cannot "
@@ -401,8 +446,10 @@ def quantize(
     for note in notes:
         warnings.warn(note, stacklevel=2)
 
-    weight = module = None  # the loops' last Linear, so that it too can go once replaced
+    weight = module = weights_of = None  # the loops' last Linear, so that it too can go once replaced
     for entry in report.quantized:
+        if entry.experts:
+            continue
         # Popped, not read: once swapped in, nothing here holds the float
         # Linear, so the model peaks at one layer above its float size.
         linear = modules.pop(entry.name)
@@ -414,6 +461,15 @@ def quantize(
             modules.pop(name, None)
             _set_submodule(model, name, qlinear)
         del linear, qlinear
+    for entry, item in experts:
+        if entry.quantized:
+            qexperts = QExperts.from_weight(item.module._parameters[item.attr], scheme, entry.name)
+            delattr(item.module, item.attr)  # the float Parameter goes
+            setattr(item.module, item.attr, qexperts)
+            use_eager_experts(item.module)
+            entry.scheme = scheme.describe()
+            entry.kernel = qexperts.packing
+            del qexperts
     if kv_cache is not None:
         from qfp8.nn.kv_cache import enable_fp8_kv_cache
 

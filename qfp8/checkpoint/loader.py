@@ -15,12 +15,15 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.readers import CheckpointPlan, check_scale, open_checkpoint
 from qfp8.nn import QLinear, QuantizationScheme
+from qfp8.nn.experts import QExperts, find_fused_experts, use_eager_experts
 from qfp8.nn.qlinear import state_spec
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
@@ -33,12 +36,115 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+class _ExpertPart(NamedTuple):
+    fused: str  # the model's fused experts parameter
+    expert: int
+    part: int
+    parts: int
+
+
+def _expert_parts(model: nn.Module, names: CheckpointNames) -> dict[str, _ExpertPart]:
+    """Checkpoint module name of each expert part (``...experts.3.w1``) -> where it goes in ``model``."""
+    found = {}
+    for item in find_fused_experts(model):
+        param = item.module._parameters[item.attr]
+        modules = names.expert_modules(item.name, param.shape[0])
+        for expert, parts in enumerate(modules or ()):
+            for part, name in enumerate(parts):
+                found[name] = _ExpertPart(item.name, expert, part, len(parts))
+    return found
+
+
+def _stack_experts(fused: str, count: int, pieces: dict[tuple[int, int], torch.Tensor], parts: int, suffix: str):
+    """One fused tensor ``[E, ...]`` from the per-expert, per-part tensors ``pieces[(expert, part)]``."""
+    absent = [(e, p) for e in range(count) for p in range(parts) if (e, p) not in pieces]
+    if absent:
+        raise ValueError(
+            f"the checkpoint stores {len(pieces)} of the {count * parts} expert parts of {fused} ({suffix}); "
+            f"missing: expert {absent[0][0]} part {absent[0][1]}"
+            + (f" and {len(absent) - 1} more" if len(absent) > 1 else "")
+        )
+    experts = []
+    for e in range(count):
+        own = [pieces[(e, p)] for p in range(parts)]
+        if suffix == "weight_scale" and all(t.numel() == 1 for t in own):  # per-tensor: one scale per expert
+            if any(not torch.equal(t.reshape(1), own[0].reshape(1)) for t in own):
+                raise ValueError(
+                    f"{fused}: expert {e} stores its {parts} parts with different per-tensor weight scales "
+                    f"({', '.join(f'{float(t.reshape(-1)[0]):.6g}' for t in own)}); qfp8 holds one scale per "
+                    "fused expert weight"
+                )
+            experts.append(own[0].reshape(1))
+        else:
+            experts.append(torch.cat(own) if parts > 1 else own[0])
+    return torch.stack(experts)
+
+
+def checkpoint_to_model(
+    model: nn.Module, schemes: dict[str, QuantizationScheme], state: dict[str, torch.Tensor] | None
+) -> tuple[dict[str, QuantizationScheme], dict[str, torch.Tensor] | None]:
+    """A checkpoint's module schemes and tensors under ``model``'s names (see qfp8/checkpoint/naming.py).
+
+    Per-expert tensors (``experts.<e>.w1.weight``...) are stacked into the
+    model's fused experts tensors: ``<fused>.weight``/``.weight_scale`` for
+    quantized ones, ``<fused>`` itself for float ones. Names the model has as
+    they are (older qfp8 checkpoints) stay.
+    """
+    names = CheckpointNames(model)
+    if names.identity:
+        return schemes, state
+    parts_of = _expert_parts(model, names)
+    own_names = set(model.state_dict(keep_vars=True))
+    out_schemes: dict[str, QuantizationScheme] = {}
+    expert_schemes: dict[str, set] = {}
+    counted: dict[str, int] = {}
+    for module, scheme in schemes.items():
+        where = parts_of.get(module)
+        if where is None:
+            out_schemes[names.to_model(module)] = scheme
+            continue
+        expert_schemes.setdefault(where.fused, set()).add(scheme)
+        counted[where.fused] = counted.get(where.fused, 0) + 1
+    for fused, found in expert_schemes.items():
+        total = sum(1 for w in parts_of.values() if w.fused == fused)
+        if len(found) > 1 or counted[fused] != total:
+            raise ValueError(
+                f"the checkpoint quantizes {counted[fused]} of the {total} expert parts of {fused}"
+                + (f" with {len(found)} different schemes" if len(found) > 1 else " (the others are float or missing)")
+                + "; qfp8 holds a fused experts weight with one scheme"
+            )
+        out_schemes[fused] = found.pop()
+    if state is None:
+        return out_schemes, None
+    out_state: dict[str, torch.Tensor] = {}
+    pieces: dict[tuple[str, str], dict[tuple[int, int], torch.Tensor]] = {}
+    for key, value in state.items():
+        module, _, suffix = key.rpartition(".")
+        where = parts_of.get(module)
+        if where is None:
+            out_state[key if key in own_names else names.to_model(key)] = value
+            continue
+        pieces.setdefault((where.fused, suffix), {})[(where.expert, where.part)] = value
+    for (fused, suffix), found in pieces.items():
+        where = next(w for w in parts_of.values() if w.fused == fused)
+        count = 1 + max(w.expert for w in parts_of.values() if w.fused == fused)
+        stacked = _stack_experts(fused, count, found, where.parts, suffix)
+        quantized = fused in out_schemes
+        out_state[f"{fused}.{suffix}" if quantized else fused] = stacked
+    return out_schemes, out_state
+
+
 def build_skeleton(model: nn.Module, schemes: dict[str, QuantizationScheme]) -> None:
-    """Replaces the named ``nn.Linear`` modules by meta ``QLinear`` modules of their scheme (in place)."""
+    """Replaces the named ``nn.Linear`` modules (and fused experts parameters) by meta ``QLinear`` modules
+    (``QExperts``) of their scheme (in place)."""
     aliases: dict[int, list[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         aliases.setdefault(id(module), []).append(name)
+    fused = {item.name: item for item in find_fused_experts(model)}
     for name, scheme in schemes.items():
+        if name in fused:
+            _experts_skeleton(fused[name], scheme)
+            continue
         try:
             module = model.get_submodule(name)
         except AttributeError:
@@ -64,6 +170,19 @@ def build_skeleton(model: nn.Module, schemes: dict[str, QuantizationScheme]) -> 
             _set_submodule(model, alias, qlinear)
     uniform = set(schemes.values())
     model.qfp8_scheme = uniform.pop() if len(uniform) == 1 else None
+
+
+def _experts_skeleton(item, scheme: QuantizationScheme) -> None:
+    param = item.module._parameters[item.attr]
+    if scheme.activations == "static":
+        raise ValueError(
+            f"the checkpoint gives the fused experts {item.name} static input scales, which qfp8 does not hold"
+        )
+    count, out_features, in_features = param.shape
+    qexperts = QExperts(count, out_features, in_features, scheme, param.dtype, device=torch.device("meta"))
+    delattr(item.module, item.attr)
+    setattr(item.module, item.attr, qexperts)
+    use_eager_experts(item.module)
 
 
 def enable_kv_cache_skeleton(model: nn.Module, dtype: torch.dtype) -> None:
@@ -337,10 +456,11 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
         dtype = getattr(torch, dtype)
     with _empty_weights():
         model = _build_model(transformers, config, dtype)
-    build_skeleton(model, plan.schemes)
+    schemes, state = checkpoint_to_model(model, plan.schemes, plan.state_dict(mmap=True))
+    build_skeleton(model, schemes)
     if plan.kv_cache_dtype is not None:
         enable_kv_cache_skeleton(model, plan.kv_cache_dtype)
-    assign_state(model, plan.state_dict(mmap=True), plan)
+    assign_state(model, state, plan)
     model.qfp8_source = str(checkpoint.directory)
     model.qfp8_checkpoint_format = plan.format
     model.eval()

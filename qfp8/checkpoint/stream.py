@@ -56,6 +56,7 @@ import torch
 from qfp8 import formats, rounding
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint import layerwise
+from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.readers import open_checkpoint
 from qfp8.checkpoint.safetensors_io import PlannedTensor
 from qfp8.checkpoint.writer import (
@@ -65,6 +66,7 @@ from qfp8.checkpoint.writer import (
     parse_size,
     write_checkpoint,
 )
+from qfp8.nn.experts import find_fused_experts
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.quantize import DEFAULT_EXCLUDE, KV_CACHE_DTYPES, exclude_patterns, excluded_by, unmatched_exclude_notes
 
@@ -107,13 +109,36 @@ def quantize_rows(weight: torch.Tensor, scale: torch.Tensor, scheme: Quantizatio
     return out
 
 
-def _linear_names(config_dir: Path) -> list[str]:
+def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The checkpoint names of the model's ``nn.Linear`` modules, and of its fused experts' parts (each
+    mapped to the model name of its fused parameter, e.g. ``...experts.0.w1`` -> ``...experts.gate_up_proj``)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(config_dir)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    return [name for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, torch.nn.Linear)]
+    names = CheckpointNames(model)
+    linears = [
+        names.to_checkpoint(name + ".weight")[: -len(".weight")]
+        for name, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, torch.nn.Linear)
+    ]
+    parts = {}
+    for item in find_fused_experts(model):
+        for expert in names.expert_modules(item.name, item.module._parameters[item.attr].shape[0]) or ():
+            parts.update((part, item.name) for part in expert)
+    return linears, parts
+
+
+def _experts_kept_float(scheme: QuantizationScheme, calibrated_weights: bool, rows: int) -> str:
+    """Why the CLI keeps the fused experts' parts (``rows`` rows each) in float ("" when it quantizes them)."""
+    if calibrated_weights:
+        return "calibrated schemes (static activations, accuracy modes) do not reach fused MoE experts"
+    if scheme.weight_scale == "tensor":
+        return "per-tensor scales would differ between an expert's gate and up parts, which qfp8 holds as one weight"
+    if scheme.weight_scale == "block" and rows % scheme.block_size[0]:
+        return f"block rows of {scheme.block_size[0]} do not divide the experts' {rows} rows per part"
+    return ""
 
 
 def read_user_file(path: str | os.PathLike, what: str, read=Path.read_text):
@@ -197,7 +222,7 @@ def stream_quantize(
             checkpoint.config.get("vocab_size") or sys.maxsize,
             checkpoint.config.get("max_position_embeddings"),
         )
-    linears = _linear_names(checkpoint.directory)
+    linears, expert_parts = _linear_names(checkpoint.directory)
     user_patterns = exclude is not DEFAULT_EXCLUDE
     exclude = exclude_patterns(exclude)
     if user_patterns:
@@ -218,6 +243,23 @@ def stream_quantize(
             raise ValueError(f"{stored.file.path}: {stored.name} is {stored.file.info(stored.name).dtype}, not float")
         quantized[name] = scheme
         layers[name] = (scheme, shape)
+    experts_reason = ""
+    for name, fused in expert_parts.items():
+        stored = plan.tensors.get(name + ".weight")
+        shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
+        reason = (
+            "missing or not 2-D" if shape is None or len(shape) != 2
+            else _experts_kept_float(scheme, scheme.activations == "static" or accuracy is not None, shape[0])
+        )  # fmt: skip
+        if reason or excluded_by(name, exclude) or excluded_by(fused, exclude):
+            experts_reason = experts_reason or reason
+            ignored.append(name)
+            layers[name] = (None, shape)
+        else:
+            quantized[name] = scheme
+            layers[name] = (scheme, shape)
+    if experts_reason:
+        warnings.warn(f"qfp8 quantize: fused MoE experts are kept in float: {experts_reason}", stacklevel=2)
     kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
     # Said before the work: a qfp8-only checkpoint, or what vLLM would refuse (see qfp8/checkpoint/config.py).
     for message in qconfig.save_warnings(layers, kv_dtype):

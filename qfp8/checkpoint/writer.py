@@ -30,8 +30,10 @@ from torch import nn
 
 from qfp8 import formats
 from qfp8.checkpoint import config as qconfig
+from qfp8.checkpoint.naming import CheckpointNames, split_rows
 from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, PlannedTensor, write_safetensors
 from qfp8.nn import QLinear
+from qfp8.nn.experts import QExperts, find_fused_experts
 from qfp8.quantize import check_calibrated
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -62,23 +64,79 @@ def _tensor_plan(name: str, tensor: torch.Tensor) -> PlannedTensor:
     return PlannedTensor(name, tensor.dtype, tuple(tensor.shape), lambda: tensor.detach())
 
 
+def _expert_scale_rows(scale: torch.Tensor, scheme, rows: slice) -> torch.Tensor:
+    """The part of one expert's ``weight_scale`` that belongs to its weight rows ``rows``."""
+    if scheme.weight_scale == "tensor":
+        return scale
+    if scheme.weight_scale == "channel":
+        return scale[rows]
+    block = scheme.block_size[0]  # quantize keeps the parts' boundaries on block rows
+    return scale[rows.start // block : -(-rows.stop // block)]
+
+
+def _plan_experts(module: QExperts, fused: str, names: CheckpointNames) -> list[PlannedTensor]:
+    """A QExperts' tensors under transformers' per-expert checkpoint names (stacked, if it has none)."""
+    modules = names.expert_modules(fused, module.num_experts)
+    if modules is None:
+        prefix = names.to_checkpoint(fused) + "."
+        state: dict[str, torch.Tensor] = {}
+        module._save_to_state_dict(state, prefix, keep_vars=False)
+        return [_tensor_plan(key, value) for key, value in state.items()]
+    plan = []
+    for expert, parts in zip(module.experts, modules, strict=True):
+        for rows, name in zip(split_rows(module.out_features, len(parts), fused), parts, strict=True):
+            plan.append(
+                PlannedTensor(
+                    name + ".weight",
+                    module.scheme.weight_dtype,
+                    (rows.stop - rows.start, module.in_features),
+                    lambda expert=expert, rows=rows: expert.canonical_weight()[rows],
+                )
+            )
+            scale = _expert_scale_rows(expert.weight_scale, module.scheme, rows)
+            plan.append(_tensor_plan(name + ".weight_scale", scale))
+    return plan
+
+
+def _plan_float_experts(tensor: torch.Tensor, fused: str, names: CheckpointNames) -> list[PlannedTensor] | None:
+    """A float fused experts parameter under the per-expert checkpoint names (None: it has none)."""
+    modules = names.expert_modules(fused, tensor.shape[0])
+    if modules is None:
+        return None
+    return [
+        _tensor_plan(name + ".weight", tensor[e, rows])
+        for e, parts in enumerate(modules)
+        for rows, name in zip(split_rows(tensor.shape[1], len(parts), fused), parts, strict=True)
+    ]
+
+
 def plan_model_tensors(model: nn.Module) -> list[PlannedTensor]:
-    """What ``model.state_dict()`` holds, as lazy entries (no weight unpacked yet), tied tensors once."""
+    """What ``model.state_dict()`` holds, as lazy entries (no weight unpacked yet), tied tensors once,
+    under the names transformers writes (see qfp8/checkpoint/naming.py)."""
+    names = CheckpointNames(model)
+    fused_float = {id(item.module._parameters[item.attr]) for item in find_fused_experts(model)}
     plan: list[PlannedTensor] = []
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         prefix = module_name + "." if module_name else ""
+        if isinstance(module, QExperts):
+            plan += _plan_experts(module, module_name, names)
+            continue
         if isinstance(module, QLinear):
             plan.append(
                 PlannedTensor(
-                    prefix + "weight",
+                    names.to_checkpoint(prefix + "weight"),
                     module.scheme.weight_dtype,
                     (module.out_features, module.in_features),
                     module.canonical_weight,
                 )
             )
             extra = {"weight_scale": module.weight_scale, "input_scale": module.input_scale, "bias": module.bias}
-            plan += [_tensor_plan(prefix + key, value) for key, value in extra.items() if value is not None]
+            plan += [
+                _tensor_plan(names.to_checkpoint(prefix + key), value)
+                for key, value in extra.items()
+                if value is not None
+            ]
             continue
         tensors = list(module.named_parameters(recurse=False)) + [
             (key, buffer)
@@ -93,23 +151,41 @@ def plan_model_tensors(model: nn.Module) -> list[PlannedTensor]:
                 raise ValueError(
                     f"save_pretrained: {prefix + key} {list(tensor.shape)} is on the meta device (never loaded)"
                 )
-            plan.append(_tensor_plan(prefix + key, tensor))
+            split = _plan_float_experts(tensor, prefix + key, names) if id(tensor) in fused_float else None
+            plan += split if split is not None else [_tensor_plan(names.to_checkpoint(prefix + key), tensor)]
     return plan
 
 
 def model_layers(model: nn.Module) -> dict[str, qconfig.Layer]:
-    """Each linear layer of ``model`` (a module shared under two names: the first): its scheme (None for a
-    float ``nn.Linear``) and weight shape [N, K]."""
+    """Each linear layer of ``model`` under its checkpoint name (a module shared under two names: the first):
+    its scheme (None for a float ``nn.Linear``) and weight shape [N, K]. Fused MoE experts count as one layer
+    per expert and part (``experts.<e>.w1``...), as checkpoints store them."""
+    names = CheckpointNames(model)
     layers: dict[str, qconfig.Layer] = {}
     seen: set[int] = set()
+
+    def add_experts(fused: str, scheme, count: int, out_features: int, in_features: int) -> None:
+        modules = names.expert_modules(fused, count)
+        if modules is None:  # stored stacked under the model's name
+            layers[names.to_checkpoint(fused)] = (scheme, (out_features, in_features))
+            return
+        for parts in modules:
+            for name in parts:
+                layers[name] = (scheme, (out_features // len(parts), in_features))
+
     for name, module in model.named_modules(remove_duplicate=False):
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if isinstance(module, QLinear):
-            layers[name] = (module.scheme, (module.out_features, module.in_features))
+        if isinstance(module, QExperts):
+            add_experts(name, module.scheme, module.num_experts, module.out_features, module.in_features)
+        elif isinstance(module, QLinear):
+            layers[names.to_checkpoint(name)] = (module.scheme, (module.out_features, module.in_features))
         elif isinstance(module, nn.Linear):
-            layers[name] = (None, (module.out_features, module.in_features))
+            layers[names.to_checkpoint(name)] = (None, (module.out_features, module.in_features))
+    for item in find_fused_experts(model):  # experts left in float
+        count, out_features, in_features = item.module._parameters[item.attr].shape
+        add_experts(item.name, None, count, out_features, in_features)
     return layers
 
 

@@ -214,18 +214,31 @@ class QLinear(nn.Module):
         rounded to nearest now and chosen again, to minimise the output error,
         at the end of :func:`qfp8.calibrate`.
         """
+        return cls.from_weight(linear.weight, linear.bias, scheme, name or repr(linear), accuracy)
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        scheme: QuantizationScheme,
+        name: str,
+        accuracy: str | None = None,
+    ) -> QLinear:
+        """A QLinear of the float ``weight`` ``[N, K]`` (and ``bias``), as :meth:`from_linear`."""
         rounding.check_mode(accuracy)
-        weight = linear.weight.detach()
+        weight = weight.detach()
         if not torch.isfinite(weight).all():
             bad = int((~torch.isfinite(weight)).sum())
             raise ValueError(
-                f"module {name or linear!r}: weight {tuple(weight.shape)} holds {bad} NaN/Inf value(s); "
+                f"module {name!r}: weight {tuple(weight.shape)} holds {bad} NaN/Inf value(s); "
                 "FP8 cannot represent them. Fix or exclude this module (exclude=[...])."
             )
+        out_features, in_features = weight.shape
         module = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
+            in_features,
+            out_features,
+            bias=bias is not None,
             scheme=scheme,
             dtype=weight.dtype,
             device=torch.device("meta"),
@@ -235,8 +248,8 @@ class QLinear(nn.Module):
         )
         module.qweight = qweight
         module.weight_scale = scale
-        if linear.bias is not None:
-            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        if bias is not None:
+            module.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         if accuracy is not None:
             module.accuracy = accuracy
             module.float_weight = weight.clone()

@@ -1,0 +1,185 @@
+"""Fused mixture-of-experts weights in FP8.
+
+transformers 5 keeps a MoE layer's experts as 3-D parameters of one module
+(``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj``
+``[E, H, I]``), and its eager forward multiplies by one expert at a time:
+``F.linear(x, self.gate_up_proj[e])``. :class:`QExperts` takes such a
+parameter's place: ``experts.gate_up_proj[e]`` is then expert ``e``'s
+:class:`~qfp8.Float8WeightTensor`, whose ``F.linear`` runs qfp8's kernel on
+its pre-packed weight, so the model's own forward runs unchanged.
+
+Each expert is held by a :class:`~qfp8.QLinear` (same scheme, no bias).
+They are not submodules: the module's state dict has the stacked canonical
+tensors under the parameter's name (``gate_up_proj.weight`` ``[E, N, K]``,
+``gate_up_proj.weight_scale`` ``[E, ...]``), which the checkpoint writer
+splits into transformers' per-expert names.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from qfp8.nn.qlinear import QLinear
+from qfp8.nn.scheme import QuantizationScheme
+from qfp8.tensor import Float8WeightTensor
+
+__all__ = ["FusedExperts", "QExperts", "find_fused_experts", "use_eager_experts"]
+
+# The 3-D parameters of transformers' experts modules that hold one [out, in] matrix per expert.
+FUSED_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+class QExperts(nn.Module):
+    """``num_experts`` FP8 weights ``[out_features, in_features]``, indexed as the 3-D parameter they replace."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        out_features: int,
+        in_features: int,
+        scheme: QuantizationScheme,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        self.num_experts = num_experts
+        self.out_features = out_features
+        self.in_features = in_features
+        self.scheme = scheme
+        self.experts = [
+            QLinear(in_features, out_features, bias=False, scheme=scheme, dtype=dtype, device=device)
+            for _ in range(num_experts)
+        ]
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, scheme: QuantizationScheme, name: str) -> QExperts:
+        """Quantizes the float ``weight`` ``[E, N, K]`` expert by expert (refusing NaN/Inf, naming the expert)."""
+        if weight.dim() != 3:
+            raise ValueError(f"{name}: fused experts weight must be 3-D [experts, out, in], got {list(weight.shape)}")
+        module = cls(weight.shape[0], weight.shape[1], weight.shape[2], scheme, weight.dtype, device="meta")
+        module.experts = [QLinear.from_weight(w, None, scheme, f"{name}[{e}]") for e, w in enumerate(weight.detach())]
+        return module
+
+    # ------------------------------------------------------------ the 3-D view
+    def __getitem__(self, index) -> Float8WeightTensor:
+        return self.experts[int(index)].weight
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_experts, self.out_features, self.in_features))
+
+    @property
+    def packing(self) -> str:
+        return self.experts[0].packing if self.experts else ""
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        return self.experts[0].orig_dtype
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"scheme={self.scheme.describe()}, kernel={self.packing}"
+        )
+
+    def _apply(self, fn, recurse=True):
+        for expert in self.experts:
+            expert._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
+    # ------------------------------------------------------------ state dict
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        states = []
+        for expert in self.experts:
+            state: dict[str, torch.Tensor] = {}
+            expert._save_to_state_dict(state, "", keep_vars)
+            states.append(state)
+        for key in states[0]:
+            destination[prefix + key] = torch.stack([state[key].detach() for state in states])
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        first = self.experts[0]
+        expected = {
+            "weight": (self.shape, self.scheme.weight_dtype),
+            "weight_scale": ((self.num_experts, *first.weight_scale.shape), torch.float32),
+        }
+        loaded = {}
+        for key, (shape, dtype) in expected.items():
+            if prefix + key not in state_dict:
+                missing_keys.append(prefix + key)
+                continue
+            value = state_dict[prefix + key]
+            if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+                error_msgs.append(
+                    f"{prefix}{key}: expected {dtype} {list(shape)}, got {value.dtype} {list(value.shape)}"
+                )
+                continue
+            loaded[key] = value
+        if len(loaded) < len(expected):
+            return
+        for e, expert in enumerate(self.experts):
+            errors: list[str] = []
+            expert._load_from_state_dict(
+                {key: value[e] for key, value in loaded.items()}, "", local_metadata, True, [], [], errors
+            )
+            error_msgs.extend(f"{prefix}[{e}]: {error}" for error in errors)
+
+
+class FusedExperts(NamedTuple):
+    """A fused experts parameter of a model: ``module.<attr>``, named ``name`` (``<module name>.<attr>``)."""
+
+    name: str
+    module: nn.Module
+    attr: str
+    reason: str  # why it cannot be quantized ("" when it can)
+
+
+def find_fused_experts(model: nn.Module) -> list[FusedExperts]:
+    """Every 3-D float parameter of a transformers experts module (``@use_experts_implementation``).
+
+    Quantizable are the layouts whose eager forward computes
+    ``F.linear(x, param[e])``: not transposed, no bias, gate and up
+    concatenated (not interleaved).
+    """
+    found = []
+    for module_name, module in model.named_modules():
+        if not hasattr(module, "is_transposed") or not hasattr(module, "config"):
+            continue
+        for attr in FUSED_PARAMETERS:
+            param = module._parameters.get(attr)
+            if param is None or param.dim() != 3:
+                continue
+            name = f"{module_name}.{attr}" if module_name else attr
+            reason = ""
+            if module.is_transposed:
+                reason = (
+                    f"{type(module).__name__} stores its experts transposed ([E, in, out]); qfp8 takes [E, out, in]"
+                )
+            elif getattr(module, "has_bias", False):
+                reason = f"{type(module).__name__} has expert biases"
+            elif attr == "gate_up_proj" and not getattr(module, "is_concatenated", True):
+                reason = f"{type(module).__name__} interleaves gate and up rows"
+            elif not param.is_floating_point() or param.dtype.itemsize == 1:
+                reason = f"weight dtype {param.dtype} is not a float format"
+            elif param.device.type == "meta":
+                reason = "weight is on the meta device (offloaded, or never loaded)"
+            found.append(FusedExperts(name, module, attr, reason))
+    return found
+
+
+def use_eager_experts(module: nn.Module) -> None:
+    """Makes transformers run ``module``'s experts one by one (its eager forward), which indexes the weights.
+
+    The grouped and batched implementations take the 3-D tensors whole.
+    """
+    config = module.config
+    if getattr(config, "_experts_implementation", "eager") != "eager":
+        config._experts_implementation = "eager"

@@ -1,0 +1,30 @@
+"""bench/moe.py in quick mode, as CI runs it (subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_mode_times_every_method_and_fp8_stays_accurate(tmp_path):
+    out = tmp_path / "moe.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "moe.py"), "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    methods = {"bf16_grouped_mm", "bf16_eager", "qfp8_w8a16", "qfp8_w8a8"}
+    for tokens in (1, 16):
+        mine = {row["method"]: row for row in rows if row["tokens"] == tokens}
+        assert set(mine) == methods
+        assert all(row["ms"] > 0 for row in mine.values())
+        assert mine["bf16_eager"]["sqnr_db"] > 40  # bf16 rounding only
+        assert mine["qfp8_w8a16"]["sqnr_db"] > 24 and mine["qfp8_w8a8"]["sqnr_db"] > 22  # e4m3: ~31 dB per weight
+    assert "vs bf16 grouped_mm" in result.stdout

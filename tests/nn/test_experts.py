@@ -1,0 +1,287 @@
+"""Fused MoE experts (transformers 5's 3-D ``experts.gate_up_proj`` / ``down_proj``) in FP8.
+
+Numerics are judged against a float64 reference on random weights and
+inputs: the experts module's output with the FP8 weights against the same
+module computing in float64 with the dequantized weights (the kernel's own
+error: bf16-level or better) and with the float weights (the FP8 rounding:
+SQNR). Checkpoints are judged by the names transformers itself writes for
+the float model, and by a bitwise round trip.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import safetensors.torch
+import torch
+
+import qfp8
+from qfp8 import formats
+from qfp8.nn.experts import QExperts
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+ARCHS = {
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**COMMON, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(**COMMON, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2)
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(
+        transformers.Qwen2MoeConfig(
+            **COMMON,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    ),  # fmt: skip
+    "olmoe": lambda: transformers.OlmoeForCausalLM(
+        transformers.OlmoeConfig(**COMMON, intermediate_size=128, num_experts=4, num_experts_per_tok=2)
+    ),
+}
+
+
+def moe(arch: str = "mixtral", seed: int = 0):
+    torch.manual_seed(seed)
+    model = ARCHS[arch]().eval()
+    for name, param in model.named_parameters():
+        if "experts" in name:  # random experts, larger than the default init, never zero
+            param.data = torch.randn_like(param) * 0.05
+    return model
+
+
+def experts_of(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("Experts") and not isinstance(m, QExperts)]
+
+
+def quiet_quantize(model, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return qfp8.quantize(model, **kwargs)
+
+
+def routed_inputs(module, tokens: int = 24, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, module.hidden_dim if hasattr(module, "hidden_dim") else 64, generator=g)
+    count = len(module.gate_up_proj)
+    top_k_index = torch.stack([torch.randperm(count, generator=g)[:2] for _ in range(tokens)])
+    top_k_weights = torch.rand(tokens, 2, generator=g)
+    return hidden, top_k_index, top_k_weights
+
+
+def reference_output(module, weights: dict[str, torch.Tensor], inputs):
+    """The module's own eager forward in float64 with ``weights`` (name -> [E, N, K]) as its parameters."""
+    clone = type(module).__new__(type(module))
+    clone.__dict__.update(module.__dict__)
+    clone._parameters = {k: torch.nn.Parameter(v.double(), requires_grad=False) for k, v in weights.items()}
+    clone._modules = {k: v for k, v in module._modules.items() if not isinstance(v, QExperts)}
+    hidden, index, top_weights = inputs
+    with torch.no_grad():
+        return type(module).forward.__wrapped__(clone, hidden.double(), index, top_weights.double())
+
+
+def dequantized(qexperts: QExperts) -> torch.Tensor:
+    return torch.stack([formats.dequantize_weight(e.canonical_weight(), e.weight_scale, qexperts.scheme.block_size)
+                        for e in qexperts.experts])  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"weight_scale": "tensor"},
+        {"weight_scale": "block", "block_size": (64, 32)},
+        {"activations": "dynamic"},
+        {"activations": "dynamic", "activation_scale": "tensor"},
+    ],
+    ids=["channel", "tensor", "block", "w8a8-token", "w8a8-tensor"],
+)
+def test_experts_forward_against_float64(arch, kwargs):
+    model = moe(arch)
+    module = experts_of(model)[0]
+    float_weights = {a: module._parameters[a].detach().clone() for a in ("gate_up_proj", "down_proj")}
+    inputs = routed_inputs(module)
+    exact = reference_output(module, float_weights, inputs)
+    _, report = quiet_quantize(model, **kwargs)
+    assert isinstance(module.gate_up_proj, QExperts) and isinstance(module.down_proj, QExperts)
+    assert model.config._experts_implementation == "eager"
+    assert not any(p.dim() == 3 for p in model.parameters())  # the float experts are gone
+    entries = {e.name: e for e in report.entries if e.experts}
+    assert len(entries) == 4 and all(e.quantized and e.kernel == module.gate_up_proj.packing for e in entries.values())
+    with torch.no_grad():
+        out = module(*inputs).double()
+    on_grid = reference_output(module, {a: dequantized(getattr(module, a)) for a in float_weights}, inputs)
+    if "activations" not in kwargs:  # weight-only: the kernel's own error, against the same FP8 weights
+        rel = (out - on_grid).norm() / on_grid.norm()
+        assert rel < 1e-5, rel
+    assert formats.sqnr(exact, out) > (22 if "activations" in kwargs else 25)  # e4m3: ~31 dB per weight
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_checkpoint_names_are_transformers_own_and_round_trip_bitwise(arch, tmp_path):
+    float_model = moe(arch)
+    float_model.save_pretrained(tmp_path / "float")
+    expected = set(safetensors.torch.load_file(tmp_path / "float" / "model.safetensors"))
+    model = moe(arch)
+    quiet_quantize(model, activations="dynamic")
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(ids).logits
+    qfp8.save_pretrained(model, tmp_path / "q")
+    stored = safetensors.torch.load_file(tmp_path / "q" / "model.safetensors")
+    weights = {k for k in stored if not k.endswith("_scale")}
+    assert weights == expected, sorted(weights ^ expected)[:6]
+    expert_weights = [k for k in stored if ".experts.0." in k and k.endswith(".weight")]
+    assert expert_weights and all(stored[k].dtype == torch.float8_e4m3fn for k in expert_weights)
+    assert all(stored[k + "_scale"].shape == (stored[k].shape[0], 1) for k in expert_weights)
+    reloaded = qfp8.from_pretrained(tmp_path / "q")
+    assert isinstance(experts_of(reloaded)[0].gate_up_proj, QExperts)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, logits)
+
+
+def test_per_tensor_scales_are_written_per_part_and_read_back(tmp_path):
+    model = moe()
+    quiet_quantize(model, weight_scale="tensor")
+    qfp8.save_pretrained(model, tmp_path)
+    stored = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    w1 = stored["model.layers.0.block_sparse_moe.experts.2.w1.weight_scale"]
+    w3 = stored["model.layers.0.block_sparse_moe.experts.2.w3.weight_scale"]
+    assert w1.shape == (1,) and torch.equal(w1, w3)
+    assert torch.equal(w1, experts_of(model)[0].gate_up_proj.experts[2].weight_scale)
+    # Another tool's checkpoint may scale w1 and w3 apart: one fused scale cannot hold both.
+    stored["model.layers.0.block_sparse_moe.experts.2.w3.weight_scale"] = w1 * 2
+    safetensors.torch.save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj: expert 2 stores its 2 parts with different"):
+        qfp8.from_pretrained(tmp_path)
+
+
+def test_a_missing_expert_part_is_named(tmp_path):
+    model = moe()
+    quiet_quantize(model)
+    qfp8.save_pretrained(model, tmp_path)
+    stored = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    # (Without its scale as well: the reader names a weight_scale without its weight itself.)
+    del stored["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    del stored["model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"]
+    safetensors.torch.save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"quantizes 3 of the 4 expert parts of model\.layers\.1\.mlp\.experts\.down_proj \(the others"
+    ):
+        qfp8.from_pretrained(tmp_path)
+
+
+def test_excluded_experts_stay_float_and_are_written_per_expert(tmp_path):
+    model = moe()
+    gate_up = experts_of(model)[1].gate_up_proj.detach().clone()
+    _, report = quiet_quantize(model, exclude=["lm_head", "model.layers.1.mlp.experts.*"])
+    skipped = {e.name for e in report.skipped if e.experts}
+    assert skipped == {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"}
+    qfp8.save_pretrained(model, tmp_path)
+    stored = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    assert torch.equal(stored["model.layers.1.block_sparse_moe.experts.1.w3.weight"], gate_up[1, 128:])
+    config = qfp8.checkpoint.writer.model_quantization_config(model)
+    assert "model.layers.1.block_sparse_moe.experts.1.w3" in config["ignore"]
+    reloaded = qfp8.from_pretrained(tmp_path)
+    assert torch.equal(experts_of(reloaded)[1].gate_up_proj, gate_up)
+    assert isinstance(experts_of(reloaded)[0].gate_up_proj, QExperts)
+
+
+def test_static_activations_and_accuracy_modes_leave_experts_float_with_the_reason():
+    for kwargs, reason in [
+        ({"activations": "static"}, "take no static activation scales"),
+        ({"accuracy": "gptq"}, "accuracy='gptq' is not built for fused MoE experts"),
+    ]:
+        model = moe()
+        _, report = quiet_quantize(model, **kwargs)
+        experts = [e for e in report.entries if e.experts]
+        assert experts and all(not e.quantized and reason in e.reason for e in experts)
+        assert all(isinstance(m.gate_up_proj, torch.nn.Parameter) for m in experts_of(model))
+
+
+def test_block_rows_straddling_gate_and_up_are_refused_per_module():
+    model = moe()  # gate and up: 128 rows each
+    _, report = quiet_quantize(model, weight_scale="block", block_size=(96, 64))
+    reasons = {e.name.rsplit(".", 1)[1]: e.reason for e in report.entries if e.experts}
+    assert "would straddle the gate and up halves (128 rows each)" in reasons["gate_up_proj"]
+    assert reasons["down_proj"] == ""  # down_proj has no parts
+
+
+def test_nan_in_an_expert_is_refused_before_anything_changes():
+    model = moe()
+    module = experts_of(model)[1]
+    module.down_proj.data[2, 5, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"module 'model\.layers\.1\.mlp\.experts\.down_proj': weight \[4, 64, 128\]"):
+        qfp8.quantize(model)
+    assert not any(isinstance(m, (qfp8.QLinear, QExperts)) for m in model.modules())
+
+
+def test_report_counts_quantized_experts_with_the_linears():
+    model = moe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "left in float" warning: only the small routers are
+        _, report = qfp8.quantize(model)
+    assert {o.kind for o in report.others} == {"MixtralTopKRouter"}
+    assert report.other_fraction < 0.01
+    assert "4 x [256, 64]" in str(report)
+
+
+def test_dtype_and_device_moves_keep_fp8_experts():
+    model = moe()
+    quiet_quantize(model)
+    module = experts_of(model)[0]
+    inputs = routed_inputs(module)
+    model.to(torch.bfloat16)
+    assert module.gate_up_proj.orig_dtype == torch.bfloat16
+    assert module.gate_up_proj.experts[0].qweight.dtype in (torch.float8_e4m3fn, torch.uint8)
+    assert module.gate_up_proj.experts[0].weight_scale.dtype == torch.float32
+    hidden, index, weights = inputs
+    with torch.no_grad():
+        out = module(hidden.bfloat16(), index, weights.bfloat16())
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_state_dict_round_trip_through_load_state_dict():
+    model = moe()
+    quiet_quantize(model)
+    state = model.state_dict()
+    assert state["model.layers.0.mlp.experts.gate_up_proj.weight"].shape == (4, 256, 64)
+    other = moe(seed=5)
+    quiet_quantize(other)
+    qfp8.load_state_dict(other, state)
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(other(ids).logits, model(ids).logits)
+
+
+def test_the_streaming_cli_quantizes_experts_as_quantize_does(tmp_path):
+    from qfp8.checkpoint.stream import stream_quantize
+
+    moe().save_pretrained(tmp_path / "float")
+    stream_quantize(tmp_path / "float", tmp_path / "cli", activations="dynamic", progress=False)
+    stored = safetensors.torch.load_file(tmp_path / "cli" / "model.safetensors")
+    assert stored["model.layers.1.block_sparse_moe.experts.2.w3.weight"].dtype == torch.float8_e4m3fn
+    from_cli = qfp8.from_pretrained(tmp_path / "cli")
+    in_memory = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "float").eval()
+    quiet_quantize(in_memory, activations="dynamic")
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(from_cli(ids).logits, in_memory(ids).logits)
+
+
+def test_the_streaming_cli_keeps_per_tensor_experts_float_and_lists_them_in_ignore(tmp_path):
+    from qfp8.checkpoint.stream import stream_quantize
+
+    moe().save_pretrained(tmp_path / "float")
+    with pytest.warns(UserWarning, match="fused MoE experts are kept in float: per-tensor scales would differ"):
+        stream_quantize(tmp_path / "float", tmp_path / "cli", weight_scale_granularity="tensor", progress=False)
+    config = qfp8.checkpoint.readers.open_checkpoint(tmp_path / "cli").quantization_config
+    assert "model.layers.0.block_sparse_moe.experts.3.w2" in config["ignore"]
+    reloaded = qfp8.from_pretrained(tmp_path / "cli")
+    assert isinstance(experts_of(reloaded)[0].gate_up_proj, torch.nn.Parameter)
+    assert isinstance(reloaded.model.layers[0].self_attn.q_proj, qfp8.QLinear)
