@@ -13,7 +13,7 @@ from torch import nn
 
 from qfp8 import formats, rounding
 from qfp8.nn import QLinear, QuantizationScheme
-from qfp8.nn.experts import QExperts, find_fused_experts, use_eager_experts
+from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_eager_experts
 
 KV_CACHE_DTYPES = (None, "float8_e4m3fn", "float8_e5m2")
 # The default ``exclude``: by identity, a model without ``lm_head`` gets no
@@ -254,21 +254,6 @@ def _find_other_weights(model: nn.Module, report: QuantizeReport, quantized_expe
     report.other_fraction = other / (linear + other) if other else 0.0
 
 
-def _experts_reason(item, scheme: QuantizationScheme, accuracy: str | None) -> str:
-    """Why the fused experts weight ``item`` cannot take ``scheme`` ("" when it can)."""
-    if scheme.activations == "static":
-        return "fused MoE experts take no static activation scales (use activations='dynamic' or None)"
-    if accuracy is not None:
-        return f"accuracy={accuracy!r} is not built for fused MoE experts (they would be rounded to nearest)"
-    out_features = item.module._parameters[item.attr].shape[1]
-    if scheme.weight_scale == "block" and item.attr == "gate_up_proj" and (out_features // 2) % scheme.block_size[0]:
-        return (
-            f"block rows of {scheme.block_size[0]} would straddle the gate and up halves ({out_features // 2} rows "
-            "each) that checkpoints store apart"
-        )
-    return ""
-
-
 def _first_names(names: list[str], limit: int) -> str:
     """``names`` for a message: the first ``limit``, then how many more."""
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -383,7 +368,9 @@ def quantize(
         entry = ReportEntry(item.name, in_features, out_features, quantized=False, experts=count)
         pattern = excluded_by(item.name, exclude)
         entry.reason = (
-            f"excluded by pattern {pattern!r}" if pattern else item.reason or _experts_reason(item, scheme, accuracy)
+            f"excluded by pattern {pattern!r}"
+            if pattern
+            else item.reason or scheme_reason(scheme, accuracy, out_features, checkpoint_parts(item.attr))
         )
         entry.quantized = not entry.reason
         linear_names.append(item.name)

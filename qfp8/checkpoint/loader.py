@@ -40,7 +40,8 @@ class _ExpertPart(NamedTuple):
     fused: str  # the model's fused experts parameter
     expert: int
     part: int
-    parts: int
+    experts: int  # of the fused parameter
+    parts: int  # of each expert
 
 
 def _expert_parts(model: nn.Module, names: CheckpointNames) -> dict[str, _ExpertPart]:
@@ -51,7 +52,7 @@ def _expert_parts(model: nn.Module, names: CheckpointNames) -> dict[str, _Expert
         modules = names.expert_modules(item.name, param.shape[0])
         for expert, parts in enumerate(modules or ()):
             for part, name in enumerate(parts):
-                found[name] = _ExpertPart(item.name, expert, part, len(parts))
+                found[name] = _ExpertPart(item.name, expert, part, len(modules), len(parts))
     return found
 
 
@@ -98,6 +99,7 @@ def checkpoint_to_model(
     out_schemes: dict[str, QuantizationScheme] = {}
     expert_schemes: dict[str, set] = {}
     counted: dict[str, int] = {}
+    layout: dict[str, _ExpertPart] = {}  # fused -> one of its parts (experts, parts)
     for module, scheme in schemes.items():
         where = parts_of.get(module)
         if where is None:
@@ -105,8 +107,9 @@ def checkpoint_to_model(
             continue
         expert_schemes.setdefault(where.fused, set()).add(scheme)
         counted[where.fused] = counted.get(where.fused, 0) + 1
+        layout[where.fused] = where
     for fused, found in expert_schemes.items():
-        total = sum(1 for w in parts_of.values() if w.fused == fused)
+        total = layout[fused].experts * layout[fused].parts
         if len(found) > 1 or counted[fused] != total:
             raise ValueError(
                 f"the checkpoint quantizes {counted[fused]} of the {total} expert parts of {fused}"
@@ -125,10 +128,9 @@ def checkpoint_to_model(
             out_state[key if key in own_names else names.to_model(key)] = value
             continue
         pieces.setdefault((where.fused, suffix), {})[(where.expert, where.part)] = value
+        layout[where.fused] = where
     for (fused, suffix), found in pieces.items():
-        where = next(w for w in parts_of.values() if w.fused == fused)
-        count = 1 + max(w.expert for w in parts_of.values() if w.fused == fused)
-        stacked = _stack_experts(fused, count, found, where.parts, suffix)
+        stacked = _stack_experts(fused, layout[fused].experts, found, layout[fused].parts, suffix)
         quantized = fused in out_schemes
         out_state[f"{fused}.{suffix}" if quantized else fused] = stacked
     return out_schemes, out_state

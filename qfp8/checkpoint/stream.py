@@ -66,7 +66,7 @@ from qfp8.checkpoint.writer import (
     parse_size,
     write_checkpoint,
 )
-from qfp8.nn.experts import find_fused_experts
+from qfp8.nn.experts import find_fused_experts, scheme_reason
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.quantize import DEFAULT_EXCLUDE, KV_CACHE_DTYPES, exclude_patterns, excluded_by, unmatched_exclude_notes
 
@@ -109,9 +109,10 @@ def quantize_rows(weight: torch.Tensor, scale: torch.Tensor, scheme: Quantizatio
     return out
 
 
-def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, str]]:
+def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, tuple[str, int]]]:
     """The checkpoint names of the model's ``nn.Linear`` modules, and of its fused experts' parts (each
-    mapped to the model name of its fused parameter, e.g. ``...experts.0.w1`` -> ``...experts.gate_up_proj``)."""
+    mapped to the model name of its fused parameter and the number of parts of one expert, e.g.
+    ``...experts.0.w1`` -> ``("...experts.gate_up_proj", 2)``)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(config_dir)
@@ -126,19 +127,16 @@ def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, str]]:
     parts = {}
     for item in find_fused_experts(model):
         for expert in names.expert_modules(item.name, item.module._parameters[item.attr].shape[0]) or ():
-            parts.update((part, item.name) for part in expert)
+            parts.update((part, (item.name, len(expert))) for part in expert)
     return linears, parts
 
 
-def _experts_kept_float(scheme: QuantizationScheme, calibrated_weights: bool, rows: int) -> str:
-    """Why the CLI keeps the fused experts' parts (``rows`` rows each) in float ("" when it quantizes them)."""
-    if calibrated_weights:
-        return "calibrated schemes (static activations, accuracy modes) do not reach fused MoE experts"
-    if scheme.weight_scale == "tensor":
+def _experts_kept_float(scheme: QuantizationScheme, accuracy: str | None, rows: int, parts: int) -> str:
+    """Why the CLI keeps a fused experts weight (stored as ``parts`` parts of ``rows`` rows) in float ("" when
+    it quantizes it): what ``quantize`` refuses, and per-tensor scales, which the CLI computes per part."""
+    if scheme.weight_scale == "tensor" and scheme.activations != "static" and accuracy is None:
         return "per-tensor scales would differ between an expert's gate and up parts, which qfp8 holds as one weight"
-    if scheme.weight_scale == "block" and rows % scheme.block_size[0]:
-        return f"block rows of {scheme.block_size[0]} do not divide the experts' {rows} rows per part"
-    return ""
+    return scheme_reason(scheme, accuracy, rows * parts, parts)
 
 
 def read_user_file(path: str | os.PathLike, what: str, read=Path.read_text):
@@ -244,12 +242,12 @@ def stream_quantize(
         quantized[name] = scheme
         layers[name] = (scheme, shape)
     experts_reason = ""
-    for name, fused in expert_parts.items():
+    for name, (fused, parts) in expert_parts.items():
         stored = plan.tensors.get(name + ".weight")
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
         reason = (
             "missing or not 2-D" if shape is None or len(shape) != 2
-            else _experts_kept_float(scheme, scheme.activations == "static" or accuracy is not None, shape[0])
+            else _experts_kept_float(scheme, accuracy, shape[0], parts)
         )  # fmt: skip
         if reason or excluded_by(name, exclude) or excluded_by(fused, exclude):
             experts_reason = experts_reason or reason

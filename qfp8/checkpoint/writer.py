@@ -82,6 +82,19 @@ def _plan_experts(module: QExperts, fused: str, names: CheckpointNames) -> list[
         state: dict[str, torch.Tensor] = {}
         module._save_to_state_dict(state, prefix, keep_vars=False)
         return [_tensor_plan(key, value) for key, value in state.items()]
+    # An expert's parts are written one after another: its weight is unpacked once for all of them (again
+    # only if the writer takes them apart), and let go with its last part.
+    unpacked: dict[QLinear, torch.Tensor] = {}
+
+    def rows_of(expert: QLinear, rows: slice) -> torch.Tensor:
+        if expert not in unpacked:
+            unpacked.clear()
+            unpacked[expert] = expert.canonical_weight()
+        part = unpacked[expert][rows]
+        if rows.stop == module.out_features:
+            unpacked.clear()
+        return part
+
     plan = []
     for expert, parts in zip(module.experts, modules, strict=True):
         for rows, name in zip(split_rows(module.out_features, len(parts), fused), parts, strict=True):
@@ -90,7 +103,7 @@ def _plan_experts(module: QExperts, fused: str, names: CheckpointNames) -> list[
                     name + ".weight",
                     module.scheme.weight_dtype,
                     (rows.stop - rows.start, module.in_features),
-                    lambda expert=expert, rows=rows: expert.canonical_weight()[rows],
+                    lambda expert=expert, rows=rows: rows_of(expert, rows),
                 )
             )
             scale = _expert_scale_rows(expert.weight_scale, module.scheme, rows)
@@ -189,12 +202,13 @@ def model_layers(model: nn.Module) -> dict[str, qconfig.Layer]:
     return layers
 
 
-def model_quantization_config(model: nn.Module) -> dict:
-    """The compressed-tensors ``quantization_config`` describing ``model``'s QLinears.
+def model_quantization_config(model: nn.Module, layers: dict[str, qconfig.Layer] | None = None) -> dict:
+    """The compressed-tensors ``quantization_config`` describing ``model``'s QLinears (``layers``: its
+    :func:`model_layers`, when the caller has them already).
 
     What compressed-tensors cannot represent is marked ``qfp8_method: "qfp8"`` instead (see qfp8/checkpoint/config.py).
     """
-    layers = model_layers(model)
+    layers = model_layers(model) if layers is None else layers
     schemes = {name: scheme for name, (scheme, _) in layers.items() if scheme is not None}
     ignored = [name for name, (scheme, _) in layers.items() if scheme is None]
     if not schemes:
@@ -369,12 +383,13 @@ def save_pretrained(
         raise TypeError(f"save_pretrained takes an nn.Module, got {type(model).__name__}")
     check_output_directory(directory, "save_pretrained")
     config = model_config_dict(model)
-    config["quantization_config"] = model_quantization_config(model)
+    layers = model_layers(model)
+    config["quantization_config"] = model_quantization_config(model, layers)
     # Saved, an uncalibrated static layer would lack its input_scale (the
     # checkpoint could not be loaded) and an accuracy-mode layer would ship
     # its round-to-nearest weights.
     check_calibrated(model, "save_pretrained")
-    for message in qconfig.save_warnings(model_layers(model), getattr(model, "qfp8_kv_cache_dtype", None)):
+    for message in qconfig.save_warnings(layers, getattr(model, "qfp8_kv_cache_dtype", None)):
         warnings.warn(message, UserWarning, stacklevel=2)
     plan = plan_model_tensors(model)
     source = getattr(model, "qfp8_source", None) or config.get("_name_or_path")

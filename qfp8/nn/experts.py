@@ -22,11 +22,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from qfp8.nn.qlinear import QLinear
+from qfp8.nn.qlinear import QLinear, take_expected
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.tensor import Float8WeightTensor
 
-__all__ = ["FusedExperts", "QExperts", "find_fused_experts", "use_eager_experts"]
+__all__ = ["FusedExperts", "QExperts", "checkpoint_parts", "find_fused_experts", "scheme_reason", "use_eager_experts"]
 
 # The 3-D parameters of transformers' experts modules that hold one [out, in] matrix per expert.
 FUSED_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj")
@@ -111,18 +111,7 @@ class QExperts(nn.Module):
             "weight": (self.shape, self.scheme.weight_dtype),
             "weight_scale": ((self.num_experts, *first.weight_scale.shape), torch.float32),
         }
-        loaded = {}
-        for key, (shape, dtype) in expected.items():
-            if prefix + key not in state_dict:
-                missing_keys.append(prefix + key)
-                continue
-            value = state_dict[prefix + key]
-            if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-                error_msgs.append(
-                    f"{prefix}{key}: expected {dtype} {list(shape)}, got {value.dtype} {list(value.shape)}"
-                )
-                continue
-            loaded[key] = value
+        loaded = take_expected(state_dict, prefix, expected, missing_keys, error_msgs)
         if len(loaded) < len(expected):
             return
         for e, expert in enumerate(self.experts):
@@ -173,6 +162,28 @@ def find_fused_experts(model: nn.Module) -> list[FusedExperts]:
                 reason = "weight is on the meta device (offloaded, or never loaded)"
             found.append(FusedExperts(name, module, attr, reason))
     return found
+
+
+def scheme_reason(scheme: QuantizationScheme, accuracy: str | None, out_features: int, parts: int) -> str:
+    """Why a fused experts weight of ``out_features`` rows per expert, stored in checkpoints as ``parts``
+    equal row blocks (gate and up: 2), cannot take ``scheme`` and ``accuracy`` ("" when it can)."""
+    if scheme.activations == "static":
+        return "fused MoE experts take no static activation scales (use activations='dynamic' or None)"
+    if accuracy is not None:
+        return f"accuracy={accuracy!r} is not built for fused MoE experts (they would be rounded to nearest)"
+    rows = out_features // parts
+    if scheme.weight_scale == "block" and parts > 1 and rows % scheme.block_size[0]:
+        halves = "gate and up halves" if parts == 2 else f"{parts} parts"
+        return (
+            f"block rows of {scheme.block_size[0]} would straddle the {halves} ({rows} rows each) that "
+            "checkpoints store apart"
+        )
+    return ""
+
+
+def checkpoint_parts(attr: str) -> int:
+    """Row blocks each expert's matrix of the fused parameter ``attr`` is stored as (gate and up: 2)."""
+    return 2 if attr == "gate_up_proj" else 1
 
 
 def use_eager_experts(module: nn.Module) -> None:

@@ -155,6 +155,24 @@ def keep_buffer_dtypes(module: nn.Module, names: tuple[str, ...]):
             setattr(module, name, before.to(after.device))
 
 
+def take_expected(state_dict, prefix: str, expected: dict, missing_keys: list, error_msgs: list) -> dict:
+    """The entries of ``state_dict`` under ``prefix`` that ``expected`` (key -> (shape, dtype or None for any
+    float)) describes and that match it; a missing key goes to ``missing_keys``, a mismatch to ``error_msgs``."""
+    loaded = {}
+    for key, (shape, dtype) in expected.items():
+        if prefix + key not in state_dict:
+            missing_keys.append(prefix + key)
+            continue
+        value = state_dict[prefix + key]
+        if tuple(value.shape) != tuple(shape) or (dtype is not None and value.dtype != dtype):
+            error_msgs.append(
+                f"{prefix}{key}: expected {dtype or 'float'} {list(shape)}, got {value.dtype} {list(value.shape)}"
+            )
+            continue
+        loaded[key] = value
+    return loaded
+
+
 def _is_own_forward(module: nn.Module, forward) -> bool:
     """True when ``forward`` is ``type(module).forward`` bound to ``module`` (no wrapper)."""
     return getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward
@@ -624,18 +642,7 @@ class QLinear(nn.Module):
         }
         if self.bias is not None:
             expected["bias"] = ((self.out_features,), None)
-        loaded = {}
-        for key, (shape, dtype) in expected.items():
-            if prefix + key not in state_dict:
-                missing_keys.append(prefix + key)
-                continue
-            value = state_dict[prefix + key]
-            if tuple(value.shape) != shape or (dtype is not None and value.dtype != dtype):
-                error_msgs.append(
-                    f"{prefix}{key}: expected {dtype or 'float'} {list(shape)}, got {value.dtype} {list(value.shape)}"
-                )
-                continue
-            loaded[key] = value
+        loaded = take_expected(state_dict, prefix, expected, missing_keys, error_msgs)
         if prefix + "input_scale" in state_dict:
             value = state_dict[prefix + "input_scale"]
             if value.numel() != 1:
