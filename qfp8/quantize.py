@@ -466,11 +466,15 @@ def quantize(
 
 
 def _qlinears(model: nn.Module) -> dict[str, QLinear]:
+    """Every QLinear of the model by name, each expert of a fused experts module (``<name>[e]``) included."""
     seen, found = set(), {}
     for name, module in model.named_modules():
         if isinstance(module, QLinear) and id(module) not in seen:
             seen.add(id(module))
             found[name] = module
+        elif isinstance(module, QExperts) and id(module) not in seen:
+            seen.add(id(module))
+            found.update(module.named_experts(name))
     return found
 
 

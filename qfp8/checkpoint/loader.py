@@ -68,7 +68,9 @@ def _stack_experts(fused: str, count: int, pieces: dict[tuple[int, int], torch.T
     experts = []
     for e in range(count):
         own = [pieces[(e, p)] for p in range(parts)]
-        if suffix == "weight_scale" and all(t.numel() == 1 for t in own):  # per-tensor: one scale per expert
+        if suffix == "input_scale":  # the parts read the same input: the larger scale clips neither
+            experts.append(torch.stack([t.reshape(-1)[0] for t in own]).amax().reshape(1))
+        elif suffix == "weight_scale" and all(t.numel() == 1 for t in own):  # per-tensor: one scale per expert
             if any(not torch.equal(t.reshape(1), own[0].reshape(1)) for t in own):
                 raise ValueError(
                     f"{fused}: expert {e} stores its {parts} parts with different per-tensor weight scales "
@@ -176,12 +178,11 @@ def build_skeleton(model: nn.Module, schemes: dict[str, QuantizationScheme]) -> 
 
 def _experts_skeleton(item, scheme: QuantizationScheme) -> None:
     param = item.module._parameters[item.attr]
-    if scheme.activations == "static":
-        raise ValueError(
-            f"the checkpoint gives the fused experts {item.name} static input scales, which qfp8 does not hold"
-        )
     count, out_features, in_features = param.shape
     qexperts = QExperts(count, out_features, in_features, scheme, param.dtype, device=torch.device("meta"))
+    if scheme.activations == "static":
+        for expert in qexperts.experts:
+            expert.input_scale = torch.ones(1, device="meta")  # a slot for the stored scale
     delattr(item.module, item.attr)
     setattr(item.module, item.attr, qexperts)
     use_eager_experts(item.module)
@@ -361,7 +362,7 @@ def _key_mismatches(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[l
 
     # A static layer's input_scale is part of its state even before calibration (its slot is empty then).
     for name, module in modules.items():
-        if isinstance(module, QLinear) and module.scheme.activations == "static":
+        if isinstance(module, (QLinear, QExperts)) and module.scheme.activations == "static":
             expected.setdefault(f"{name}.input_scale" if name else "input_scale", None)
     loaded = {identity(key) for key in state if key in expected}
     missing = [key for key in expected if key not in state and identity(key) not in loaded]
@@ -385,7 +386,7 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
             f"load_state_dict takes a dict of tensors, got {type(state_dict).__name__} (for a file: "
             "safetensors.torch.load_file(path))"
         )
-    if not any(isinstance(m, QLinear) for m in model.modules()):
+    if not any(isinstance(m, (QLinear, QExperts)) for m in model.modules()):
         raise ValueError("load_state_dict: the model has no QLinear; quantize it (or build it with from_pretrained)")
     state = normalize_state_dict(state_dict)
     missing, unexpected = _key_mismatches(model, state)
@@ -401,6 +402,10 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
     for name, module in model.named_modules():
         if isinstance(module, QLinear) and module.input_scale is None and name + ".input_scale" in state:
             module.input_scale = torch.ones(1, device=module.weight_scale.device)  # a slot for the stored scale
+        if isinstance(module, QExperts) and name + ".input_scale" in state:
+            for expert in module.experts:
+                if expert.input_scale is None:
+                    expert.input_scale = torch.ones(1, device=expert.weight_scale.device)
         if isinstance(module, QLinear) and name + ".weight_scale" in state:
             scale = state[name + ".weight_scale"]
             want = tuple(module.weight_scale.shape)

@@ -134,7 +134,9 @@ def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, tuple[str, int
 def _experts_kept_float(scheme: QuantizationScheme, accuracy: str | None, rows: int, parts: int) -> str:
     """Why the CLI keeps a fused experts weight (stored as ``parts`` parts of ``rows`` rows) in float ("" when
     it quantizes it): what ``quantize`` refuses, and per-tensor scales, which the CLI computes per part."""
-    if scheme.weight_scale == "tensor" and scheme.activations != "static" and accuracy is None:
+    if scheme.activations == "static":
+        return "layer-by-layer calibration does not run fused MoE experts (quantize and calibrate the model in memory)"
+    if scheme.weight_scale == "tensor" and accuracy is None:
         return "per-tensor scales would differ between an expert's gate and up parts, which qfp8 holds as one weight"
     return scheme_reason(scheme, accuracy, rows * parts, parts)
 

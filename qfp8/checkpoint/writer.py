@@ -108,6 +108,8 @@ def _plan_experts(module: QExperts, fused: str, names: CheckpointNames) -> list[
             )
             scale = _expert_scale_rows(expert.weight_scale, module.scheme, rows)
             plan.append(_tensor_plan(name + ".weight_scale", scale))
+            if expert.input_scale is not None:  # each part reads the expert's input: the same scale
+                plan.append(_tensor_plan(name + ".input_scale", expert.input_scale))
     return plan
 
 

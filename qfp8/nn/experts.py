@@ -5,14 +5,20 @@ transformers 5 keeps a MoE layer's experts as 3-D parameters of one module
 ``[E, H, I]``), and its eager forward multiplies by one expert at a time:
 ``F.linear(x, self.gate_up_proj[e])``. :class:`QExperts` takes such a
 parameter's place: ``experts.gate_up_proj[e]`` is then expert ``e``'s
-:class:`~qfp8.Float8WeightTensor`, whose ``F.linear`` runs qfp8's kernel on
-its pre-packed weight, so the model's own forward runs unchanged.
+:class:`ExpertWeight`, whose ``F.linear`` is a call of the
+:class:`~qfp8.QLinear` holding that expert (same scheme, no bias): its kernel
+on the pre-packed weight, the input quantized as the scheme says (W8A8), and
+calibration recorded, so the model's own forward runs unchanged.
 
-Each expert is held by a :class:`~qfp8.QLinear` (same scheme, no bias).
-They are not submodules: the module's state dict has the stacked canonical
-tensors under the parameter's name (``gate_up_proj.weight`` ``[E, N, K]``,
-``gate_up_proj.weight_scale`` ``[E, ...]``), which the checkpoint writer
-splits into transformers' per-expert names.
+Static activation scales: one per fused weight, shared by its experts (the
+largest any expert measured), as vLLM's fused MoE kernels take it; an expert
+no calibration token reached gets it too.
+
+The experts are not submodules: the module's state dict has the stacked
+canonical tensors under the parameter's name (``gate_up_proj.weight``
+``[E, N, K]``, ``gate_up_proj.weight_scale`` ``[E, ...]``,
+``gate_up_proj.input_scale`` ``[E, 1]``), which the checkpoint writer splits
+into transformers' per-expert names.
 """
 
 from __future__ import annotations
@@ -20,16 +26,62 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qfp8.nn.qlinear import QLinear, take_expected
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.tensor import Float8WeightTensor
 
-__all__ = ["FusedExperts", "QExperts", "checkpoint_parts", "find_fused_experts", "scheme_reason", "use_eager_experts"]
+__all__ = [
+    "ExpertWeight",
+    "FusedExperts",
+    "QExperts",
+    "checkpoint_parts",
+    "find_fused_experts",
+    "scheme_reason",
+    "use_eager_experts",
+]
 
 # The 3-D parameters of transformers' experts modules that hold one [out, in] matrix per expert.
 FUSED_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+class ExpertWeight(Float8WeightTensor):
+    """One expert's FP8 weight, bound to the :class:`~qfp8.QLinear` that holds it.
+
+    ``F.linear(x, w)`` is ``layer(x)``: the layer's kernel and activation
+    scheme (an unbound :class:`~qfp8.Float8WeightTensor` multiplies
+    weight-only), and calibration sees the input. Every other use, and a
+    copy (transposed, detached, moved, rebuilt by ``torch.compile``), is a
+    plain weight.
+    """
+
+    layer: QLinear | None = None
+
+    @classmethod
+    def bound(cls, layer: QLinear) -> ExpertWeight:
+        weight = cls(
+            layer.qweight,
+            layer.weight_scale,
+            layer.packing,
+            layer.scheme.block_size,
+            layer.orig_dtype,
+            layer.out_features,
+            layer.in_features,
+        )
+        weight.layer = layer
+        return weight
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is F.linear and len(args) >= 2 and type(args[1]) is ExpertWeight:
+            weight, kwargs = args[1], kwargs or {}
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if weight.layer is not None and not weight.transposed:
+                y = weight.layer(args[0])
+                return y if bias is None else y + bias
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 class QExperts(nn.Module):
@@ -64,8 +116,8 @@ class QExperts(nn.Module):
         return module
 
     # ------------------------------------------------------------ the 3-D view
-    def __getitem__(self, index) -> Float8WeightTensor:
-        return self.experts[int(index)].weight
+    def __getitem__(self, index) -> ExpertWeight:
+        return ExpertWeight.bound(self.experts[int(index)])
 
     def __len__(self) -> int:
         return self.num_experts
@@ -88,10 +140,35 @@ class QExperts(nn.Module):
             f"scheme={self.scheme.describe()}, kernel={self.packing}"
         )
 
+    def named_experts(self, name: str) -> list[tuple[str, QLinear]]:
+        """``(f"{name}[e]", expert)`` for every expert, ``name`` being this module's."""
+        return [(f"{name}[{e}]", expert) for e, expert in enumerate(self.experts)]
+
     def _apply(self, fn, recurse=True):
         for expert in self.experts:
             expert._apply(fn, recurse)
         return super()._apply(fn, recurse)
+
+    # ------------------------------------------------------------ calibration
+    def start_calibration(self) -> None:
+        for expert in self.experts:
+            expert.start_calibration()
+
+    def abort_calibration(self) -> None:
+        for expert in self.experts:
+            expert.abort_calibration()
+
+    def end_calibration(self) -> None:
+        reached = [e for e in self.experts if e._calibration_amax is not None]
+        for expert in self.experts:
+            expert.end_calibration()
+        if self.scheme.activations == "static" and reached:
+            # One scale for the fused weight: the largest measured (what vLLM's fused MoE takes), for every
+            # expert, those no calibration token reached included.
+            shared = torch.stack([e.input_scale for e in reached]).amax(0)
+            for expert in self.experts:
+                expert.input_scale = shared.clone()
+                expert._bind_op()
 
     # ------------------------------------------------------------ state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -111,6 +188,8 @@ class QExperts(nn.Module):
             "weight": (self.shape, self.scheme.weight_dtype),
             "weight_scale": ((self.num_experts, *first.weight_scale.shape), torch.float32),
         }
+        if self.scheme.activations == "static":
+            expected["input_scale"] = ((self.num_experts, 1), torch.float32)
         loaded = take_expected(state_dict, prefix, expected, missing_keys, error_msgs)
         if len(loaded) < len(expected):
             return
@@ -167,8 +246,6 @@ def find_fused_experts(model: nn.Module) -> list[FusedExperts]:
 def scheme_reason(scheme: QuantizationScheme, accuracy: str | None, out_features: int, parts: int) -> str:
     """Why a fused experts weight of ``out_features`` rows per expert, stored in checkpoints as ``parts``
     equal row blocks (gate and up: 2), cannot take ``scheme`` and ``accuracy`` ("" when it can)."""
-    if scheme.activations == "static":
-        return "fused MoE experts take no static activation scales (use activations='dynamic' or None)"
     if accuracy is not None:
         return f"accuracy={accuracy!r} is not built for fused MoE experts (they would be rounded to nearest)"
     rows = out_features // parts

@@ -73,15 +73,34 @@ def routed_inputs(module, tokens: int = 24, seed: int = 1):
     return hidden, top_k_index, top_k_weights
 
 
-def reference_output(module, weights: dict[str, torch.Tensor], inputs):
-    """The module's own eager forward in float64 with ``weights`` (name -> [E, N, K]) as its parameters."""
+def reference_output(module, weights: dict[str, torch.Tensor], inputs, activations=None):
+    """The module's own eager forward in float64 with ``weights`` (name -> [E, N, K]) as its parameters.
+
+    ``activations(x)``, if given, is applied to the input of every expert matmul (a W8A8 scheme's rounding).
+    """
     clone = type(module).__new__(type(module))
     clone.__dict__.update(module.__dict__)
     clone._parameters = {k: torch.nn.Parameter(v.double(), requires_grad=False) for k, v in weights.items()}
     clone._modules = {k: v for k, v in module._modules.items() if not isinstance(v, QExperts)}
     hidden, index, top_weights = inputs
-    with torch.no_grad():
-        return type(module).forward.__wrapped__(clone, hidden.double(), index, top_weights.double())
+    linear = torch.nn.functional.linear
+    if activations is not None:
+        torch.nn.functional.linear = lambda x, w, b=None: linear(activations(x), w, b)
+    try:
+        with torch.no_grad():
+            return type(module).forward.__wrapped__(clone, hidden.double(), index, top_weights.double())
+    finally:
+        torch.nn.functional.linear = linear
+
+
+def fake_quantized(granularity: str, scale=None):
+    """x -> x rounded to FP8 e4m3 with per-``granularity`` scales (``scale``: a static one), in float64."""
+
+    def rounded(x):
+        q, s = formats.quantize_activation(x.float(), torch.float8_e4m3fn, granularity, scale)
+        return formats.fp8_to_float(q, torch.float64) * s.double()
+
+    return rounded
 
 
 def dequantized(qexperts: QExperts) -> torch.Tensor:
@@ -115,10 +134,18 @@ def test_experts_forward_against_float64(arch, kwargs):
     assert len(entries) == 4 and all(e.quantized and e.kernel == module.gate_up_proj.packing for e in entries.values())
     with torch.no_grad():
         out = module(*inputs).double()
-    on_grid = reference_output(module, {a: dequantized(getattr(module, a)) for a in float_weights}, inputs)
-    if "activations" not in kwargs:  # weight-only: the kernel's own error, against the same FP8 weights
-        rel = (out - on_grid).norm() / on_grid.norm()
-        assert rel < 1e-5, rel
+    fp8_weights = {a: dequantized(getattr(module, a)) for a in float_weights}
+    # The kernel's own error, against the same FP8 weights (and, W8A8, the same FP8 inputs: an FP8 x FP8
+    # product is exact in float32; the reference's float64 gate/up product can round a rare down_proj input
+    # to the FP8 neighbour of the kernel's, hence 1e-3, far below the ~3e-2 of not quantizing the inputs).
+    granularity = kwargs.get("activation_scale", "token")
+    activations = fake_quantized(granularity) if "activations" in kwargs else None
+    on_grid = reference_output(module, fp8_weights, inputs, activations)
+    rel = (out - on_grid).norm() / on_grid.norm()
+    assert rel < (1e-3 if activations else 1e-5), rel
+    if activations:  # the inputs were quantized: the weight-only product of the same weights is far off
+        weight_only = reference_output(module, fp8_weights, inputs)
+        assert (out - weight_only).norm() / weight_only.norm() > 1e-2
     assert formats.sqnr(exact, out) > (22 if "activations" in kwargs else 25)  # e4m3: ~31 dB per weight
 
 
@@ -192,16 +219,90 @@ def test_excluded_experts_stay_float_and_are_written_per_expert(tmp_path):
     assert isinstance(experts_of(reloaded)[0].gate_up_proj, QExperts)
 
 
-def test_static_activations_and_accuracy_modes_leave_experts_float_with_the_reason():
-    for kwargs, reason in [
-        ({"activations": "static"}, "take no static activation scales"),
-        ({"accuracy": "gptq"}, "accuracy='gptq' is not built for fused MoE experts"),
-    ]:
-        model = moe()
-        _, report = quiet_quantize(model, **kwargs)
-        experts = [e for e in report.entries if e.experts]
-        assert experts and all(not e.quantized and reason in e.reason for e in experts)
-        assert all(isinstance(m.gate_up_proj, torch.nn.Parameter) for m in experts_of(model))
+def test_accuracy_modes_leave_experts_float_with_the_reason():
+    model = moe()
+    _, report = quiet_quantize(model, accuracy="gptq")
+    experts = [e for e in report.entries if e.experts]
+    reason = "accuracy='gptq' is not built for fused MoE experts"
+    assert experts and all(not e.quantized and reason in e.reason for e in experts)
+    assert all(isinstance(m.gate_up_proj, torch.nn.Parameter) for m in experts_of(model))
+
+
+def calibrated_static_model(arch: str = "mixtral"):
+    """A static-W8A8 model calibrated on random ids, with the largest |input| each experts module saw."""
+    model = moe(arch)
+    quiet_quantize(model, activations="static")
+    seen = {}
+
+    def record(module, args):
+        seen[module] = max(seen.get(module, 0.0), float(args[0].abs().max()))
+
+    hooks = [m.register_forward_pre_hook(record) for m in experts_of(model)]
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(6))
+    with qfp8.calibrate(model):
+        model(ids)
+    for hook in hooks:
+        hook.remove()
+    return model, seen
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_static_experts_share_one_calibrated_input_scale_per_fused_weight(arch):
+    model, seen = calibrated_static_model(arch)
+    for module in experts_of(model):
+        gate_up = {float(e.input_scale) for e in module.gate_up_proj.experts}
+        down = {float(e.input_scale) for e in module.down_proj.experts}
+        assert len(gate_up) == 1 and len(down) == 1  # one scale per fused weight, every expert included
+        # Every token reaches some expert: the gate/up scale is the scale of the whole experts input.
+        expected = float(formats.scale_from_amax(torch.tensor([seen[module]]), torch.float8_e4m3fn))
+        assert gate_up.pop() == pytest.approx(expected, rel=1e-6)
+        # Each expert's matmul rounds its input with that scale (random inputs, larger than calibration's:
+        # clamped at the FP8 maximum, as a static scale does).
+        g = torch.Generator().manual_seed(8)
+        for fused in (module.gate_up_proj, module.down_proj):
+            scale = fused.experts[0].input_scale
+            weights = dequantized(fused).double()
+            for e in range(len(fused)):
+                x = torch.randn(5, fused.in_features, generator=g)
+                with torch.no_grad():
+                    y = torch.nn.functional.linear(x, fused[e]).double()
+                ref = fake_quantized("tensor", scale)(x.double()) @ weights[e].T
+                assert ((y - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_static_experts_before_calibration_say_so():
+    model = moe()
+    quiet_quantize(model, activations="static")
+    with pytest.raises(RuntimeError, match="never calibrated"):
+        with torch.no_grad():
+            model(torch.randint(0, 128, (1, 5)))
+    with pytest.raises(RuntimeError, match=r"mlp\.experts\.gate_up_proj\[0\]"):
+        qfp8.freeze(model)
+
+
+def test_static_experts_load_into_an_uncalibrated_model():
+    model, _ = calibrated_static_model()
+    other = moe(seed=5)
+    quiet_quantize(other, activations="static")
+    qfp8.load_state_dict(other, model.state_dict())
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(other(ids).logits, model(ids).logits)
+
+
+def test_static_experts_round_trip_under_transformers_names(tmp_path):
+    model, _ = calibrated_static_model()
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(ids).logits
+    qfp8.save_pretrained(model, tmp_path)
+    stored = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    w1, w3 = (stored[f"model.layers.1.block_sparse_moe.experts.2.{p}.input_scale"] for p in ("w1", "w3"))
+    assert torch.equal(w1, w3) and w1.dtype == torch.float32
+    assert torch.equal(w1.reshape(1), experts_of(model)[1].gate_up_proj.experts[2].input_scale)
+    reloaded = qfp8.from_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, logits)
 
 
 def test_block_rows_straddling_gate_and_up_are_refused_per_module():
