@@ -303,8 +303,8 @@ def quantize(
 
     Fused MoE experts (transformers' 3-D ``experts.gate_up_proj`` /
     ``experts.down_proj``) are quantized too, expert by expert, with the same
-    weight scheme and dynamic or no activation quantization (see
-    qfp8/nn/experts.py); their report entries carry ``experts``, and the
+    weight and activation scheme (static scales: one per fused weight, see
+    qfp8/nn/experts.py; accuracy modes leave them float); their report entries carry ``experts``, and the
     model then runs its experts one by one (transformers' eager experts
     implementation). ``exclude`` patterns match their ``<module>.<param>`` names.
     Returns ``(model, report)``.

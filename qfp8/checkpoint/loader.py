@@ -13,6 +13,7 @@ file: no float copy of a quantized weight is made, and float tensors
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -71,16 +72,31 @@ def _stack_experts(fused: str, count: int, pieces: dict[tuple[int, int], torch.T
         if suffix == "input_scale":  # the parts read the same input: the larger scale clips neither
             experts.append(torch.stack([t.reshape(-1)[0] for t in own]).amax().reshape(1))
         elif suffix == "weight_scale" and all(t.numel() == 1 for t in own):  # per-tensor: one scale per expert
-            if any(not torch.equal(t.reshape(1), own[0].reshape(1)) for t in own):
-                raise ValueError(
-                    f"{fused}: expert {e} stores its {parts} parts with different per-tensor weight scales "
-                    f"({', '.join(f'{float(t.reshape(-1)[0]):.6g}' for t in own)}); qfp8 holds one scale per "
-                    "fused expert weight"
-                )
             experts.append(own[0].reshape(1))
         else:
             experts.append(torch.cat(own) if parts > 1 else own[0])
     return torch.stack(experts)
+
+
+def _parts_scales_differ(pieces: dict[tuple[int, int], torch.Tensor], parts: int) -> bool:
+    """True when some expert stores its parts (w1, w3) with different per-tensor weight scales."""
+    if parts == 1 or any(t.numel() != 1 for t in pieces.values()):
+        return False
+    return any(not torch.equal(pieces[(e, p)].reshape(1), pieces[(e, 0)].reshape(1)) for e, p in pieces)
+
+
+def _scales_per_row(fused: str, scales: dict, weights: dict) -> torch.Tensor:
+    """``[E, rows, 1]``: each part's per-tensor scale repeated over the rows of its weight."""
+    count = 1 + max(e for e, _ in scales)
+    parts = 1 + max(p for _, p in scales)
+    if set(weights) != set(scales):
+        raise ValueError(f"the checkpoint stores weight scales of {fused}'s expert parts without their weights")
+    return torch.stack(
+        [
+            torch.cat([scales[(e, p)].reshape(1, 1).expand(weights[(e, p)].shape[0], 1) for p in range(parts)])
+            for e in range(count)
+        ]
+    ).to(torch.float32)
 
 
 def checkpoint_to_model(
@@ -132,6 +148,13 @@ def checkpoint_to_model(
         pieces.setdefault((where.fused, suffix), {})[(where.expert, where.part)] = value
         layout[where.fused] = where
     for (fused, suffix), found in pieces.items():
+        if suffix == "weight_scale" and _parts_scales_differ(found, layout[fused].parts):
+            # Per-tensor scales that differ between an expert's gate and up parts (AutoFP8, llm-compressor):
+            # held exactly as per-channel scales, each row taking its part's.
+            _stack_experts(fused, layout[fused].experts, found, layout[fused].parts, suffix)  # every part there
+            out_state[f"{fused}.{suffix}"] = _scales_per_row(fused, found, pieces.get((fused, "weight"), {}))
+            out_schemes[fused] = dataclasses.replace(out_schemes[fused], weight_scale="channel")
+            continue
         stacked = _stack_experts(fused, layout[fused].experts, found, layout[fused].parts, suffix)
         quantized = fused in out_schemes
         out_state[f"{fused}.{suffix}" if quantized else fused] = stacked

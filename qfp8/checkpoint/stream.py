@@ -109,10 +109,10 @@ def quantize_rows(weight: torch.Tensor, scale: torch.Tensor, scheme: Quantizatio
     return out
 
 
-def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, tuple[str, int]]]:
+def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, tuple[str, list[str]]]]:
     """The checkpoint names of the model's ``nn.Linear`` modules, and of its fused experts' parts (each
-    mapped to the model name of its fused parameter and the number of parts of one expert, e.g.
-    ``...experts.0.w1`` -> ``("...experts.gate_up_proj", 2)``)."""
+    mapped to the model name of its fused parameter and the parts of its expert, e.g.
+    ``...experts.0.w1`` -> ``("...experts.gate_up_proj", ["...experts.0.w1", "...experts.0.w3"])``)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(config_dir)
@@ -127,17 +127,16 @@ def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, tuple[str, int
     parts = {}
     for item in find_fused_experts(model):
         for expert in names.expert_modules(item.name, item.module._parameters[item.attr].shape[0]) or ():
-            parts.update((part, (item.name, len(expert))) for part in expert)
+            parts.update((part, (item.name, expert)) for part in expert)
     return linears, parts
 
 
 def _experts_kept_float(scheme: QuantizationScheme, accuracy: str | None, rows: int, parts: int) -> str:
     """Why the CLI keeps a fused experts weight (stored as ``parts`` parts of ``rows`` rows) in float ("" when
-    it quantizes it): what ``quantize`` refuses, and per-tensor scales, which the CLI computes per part."""
+    it quantizes it): what ``quantize`` refuses, and static scales, which layer-by-layer calibration does not
+    measure for experts."""
     if scheme.activations == "static":
         return "layer-by-layer calibration does not run fused MoE experts (quantize and calibrate the model in memory)"
-    if scheme.weight_scale == "tensor" and accuracy is None:
-        return "per-tensor scales would differ between an expert's gate and up parts, which qfp8 holds as one weight"
     return scheme_reason(scheme, accuracy, rows * parts, parts)
 
 
@@ -244,12 +243,12 @@ def stream_quantize(
         quantized[name] = scheme
         layers[name] = (scheme, shape)
     experts_reason = ""
-    for name, (fused, parts) in expert_parts.items():
+    for name, (fused, siblings) in expert_parts.items():
         stored = plan.tensors.get(name + ".weight")
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
         reason = (
             "missing or not 2-D" if shape is None or len(shape) != 2
-            else _experts_kept_float(scheme, accuracy, shape[0], parts)
+            else _experts_kept_float(scheme, accuracy, shape[0], len(siblings))
         )  # fmt: skip
         if reason or excluded_by(name, exclude) or excluded_by(fused, exclude):
             experts_reason = experts_reason or reason
@@ -299,7 +298,13 @@ def stream_quantize(
         if module + ".weight_scale" in calibrated:  # chosen by the accuracy mode
             return calibrated[module + ".weight_scale"]
         if module not in scales:
-            scales[module] = weight_scale(plan.load(module + ".weight", mmap=False), scheme)
+            siblings = expert_parts[module][1] if module in expert_parts else [module]
+            if scheme.weight_scale == "tensor" and len(siblings) > 1:
+                # One scale for the expert's gate and up parts, as quantize gives their fused weight.
+                shared = torch.stack([weight_scale(plan.load(m + ".weight", mmap=False), scheme) for m in siblings])
+                scales.update(dict.fromkeys(siblings, shared.amax(0)))
+            else:
+                scales[module] = weight_scale(plan.load(module + ".weight", mmap=False), scheme)
         return scales[module]
 
     def take_scale(module: str) -> torch.Tensor:

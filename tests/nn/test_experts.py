@@ -10,6 +10,7 @@ the float model, and by a bitwise round trip.
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -181,11 +182,9 @@ def test_per_tensor_scales_are_written_per_part_and_read_back(tmp_path):
     w3 = stored["model.layers.0.block_sparse_moe.experts.2.w3.weight_scale"]
     assert w1.shape == (1,) and torch.equal(w1, w3)
     assert torch.equal(w1, experts_of(model)[0].gate_up_proj.experts[2].weight_scale)
-    # Another tool's checkpoint may scale w1 and w3 apart: one fused scale cannot hold both.
-    stored["model.layers.0.block_sparse_moe.experts.2.w3.weight_scale"] = w1 * 2
-    safetensors.torch.save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"experts\.gate_up_proj: expert 2 stores its 2 parts with different"):
-        qfp8.from_pretrained(tmp_path)
+    reloaded = experts_of(qfp8.from_pretrained(tmp_path))[0].gate_up_proj
+    assert reloaded.scheme.weight_scale == "tensor"  # equal parts' scales stay one per-tensor scale
+    assert torch.equal(reloaded.experts[2].weight_scale, w1)
 
 
 def test_a_missing_expert_part_is_named(tmp_path):
@@ -375,14 +374,66 @@ def test_the_streaming_cli_quantizes_experts_as_quantize_does(tmp_path):
         assert torch.equal(from_cli(ids).logits, in_memory(ids).logits)
 
 
-def test_the_streaming_cli_keeps_per_tensor_experts_float_and_lists_them_in_ignore(tmp_path):
+def test_the_streaming_cli_gives_an_expert_one_per_tensor_scale_as_quantize_does(tmp_path):
     from qfp8.checkpoint.stream import stream_quantize
 
     moe().save_pretrained(tmp_path / "float")
-    with pytest.warns(UserWarning, match="fused MoE experts are kept in float: per-tensor scales would differ"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing kept in float, nothing to warn about
         stream_quantize(tmp_path / "float", tmp_path / "cli", weight_scale_granularity="tensor", progress=False)
-    config = qfp8.checkpoint.readers.open_checkpoint(tmp_path / "cli").quantization_config
-    assert "model.layers.0.block_sparse_moe.experts.3.w2" in config["ignore"]
-    reloaded = qfp8.from_pretrained(tmp_path / "cli")
-    assert isinstance(experts_of(reloaded)[0].gate_up_proj, torch.nn.Parameter)
-    assert isinstance(reloaded.model.layers[0].self_attn.q_proj, qfp8.QLinear)
+    stored = safetensors.torch.load_file(tmp_path / "cli" / "model.safetensors")
+    w1, w3 = (stored[f"model.layers.0.block_sparse_moe.experts.3.{p}.weight_scale"] for p in ("w1", "w3"))
+    assert torch.equal(w1, w3)  # the gate and up parts share the expert's scale
+    from_cli = qfp8.from_pretrained(tmp_path / "cli")
+    assert experts_of(from_cli)[0].gate_up_proj.scheme.weight_scale == "tensor"
+    in_memory = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "float").eval()
+    quiet_quantize(in_memory, weight_scale="tensor")
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(from_cli(ids).logits, in_memory(ids).logits)
+
+
+def autofp8_mixtral(directory):
+    """A Mixtral checkpoint as AutoFP8 writes one (quant_method "fp8", static): every expert part with its own
+    per-tensor weight scale (w1 and w3 differ) and input scale. Returns {checkpoint name: tensor}."""
+    moe().save_pretrained(directory)
+    state = safetensors.torch.load_file(directory / "model.safetensors")
+    g = torch.Generator().manual_seed(11)
+    for key in [k for k in state if ".experts." in k and k.endswith(".weight")]:
+        module = key[: -len(".weight")]
+        scale = (state[key].abs().max() / 448 * (1 + torch.rand((), generator=g))).float()
+        state[key] = (state[key] / scale).to(torch.float8_e4m3fn)
+        state[module + ".weight_scale"] = scale
+        state[module + ".input_scale"] = (0.01 + 0.01 * torch.rand((), generator=g)).float()
+    safetensors.torch.save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (directory / "config.json").write_text(json.dumps(config))
+    return state
+
+
+def test_a_checkpoint_with_different_w1_w3_scales_loads_exactly_as_channel_scales(tmp_path):
+    stored = autofp8_mixtral(tmp_path / "src")
+    model = qfp8.from_pretrained(tmp_path / "src")
+    module = experts_of(model)[1]
+    gate_up = module.gate_up_proj
+    assert isinstance(gate_up, QExperts) and gate_up.scheme.weight_scale == "channel"
+    assert gate_up.scheme.activations == "static" and module.down_proj.scheme.weight_scale == "tensor"
+    stem = "model.layers.1.block_sparse_moe.experts"
+    for e in range(len(gate_up)):
+        w1, w3 = (stored[f"{stem}.{e}.w{p}.weight"].float() * stored[f"{stem}.{e}.w{p}.weight_scale"] for p in "13")
+        assert torch.equal(dequantized(gate_up)[e], torch.cat([w1, w3]))  # the stored values, exactly
+        inputs = [stored[f"{stem}.{e}.w{p}.input_scale"] for p in "13"]
+        assert float(gate_up.experts[e].input_scale) == float(max(inputs))  # vLLM's one scale for w1 and w3
+        x = torch.randn(3, gate_up.in_features)
+        with torch.no_grad():
+            y = torch.nn.functional.linear(x, gate_up[e]).double()
+        ref = fake_quantized("tensor", gate_up.experts[e].input_scale)(x.double()) @ torch.cat([w1, w3]).double().T
+        assert (y - ref).norm() / ref.norm() < 1e-5
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert torch.isfinite(logits).all()
+    qfp8.save_pretrained(model, tmp_path / "again")  # written back per channel, read back bitwise
+    with torch.no_grad():
+        assert torch.equal(qfp8.from_pretrained(tmp_path / "again")(ids).logits, logits)
