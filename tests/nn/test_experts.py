@@ -437,3 +437,17 @@ def test_a_checkpoint_with_different_w1_w3_scales_loads_exactly_as_channel_scale
     qfp8.save_pretrained(model, tmp_path / "again")  # written back per channel, read back bitwise
     with torch.no_grad():
         assert torch.equal(qfp8.from_pretrained(tmp_path / "again")(ids).logits, logits)
+
+
+def test_torch_compile_runs_the_fp8_experts():
+    # transformers' eager experts loop breaks the graph on its data-dependent expert list (as it does
+    # in float); what compile traces between the breaks must still run each expert's W8A8 layer.
+    torch._dynamo.reset()
+    model = moe()
+    quiet_quantize(model, activations="dynamic")
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        eager = model(ids).logits
+        compiled = torch.compile(model)(ids).logits
+    assert (compiled - eager).abs().max() < 1e-5
+    torch._dynamo.reset()
