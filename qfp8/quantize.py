@@ -13,7 +13,7 @@ from torch import nn
 
 from qfp8 import formats, rounding
 from qfp8.nn import QLinear, QuantizationScheme
-from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_eager_experts
+from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_fp8_experts
 
 KV_CACHE_DTYPES = (None, "float8_e4m3fn", "float8_e5m2")
 # The default ``exclude``: by identity, a model without ``lm_head`` gets no
@@ -453,7 +453,7 @@ def quantize(
             qexperts = QExperts.from_weight(item.module._parameters[item.attr], scheme, entry.name)
             delattr(item.module, item.attr)  # the float Parameter goes
             setattr(item.module, item.attr, qexperts)
-            use_eager_experts(item.module)
+            use_fp8_experts(item.module)
             entry.scheme = scheme.describe()
             entry.kernel = qexperts.packing
             del qexperts

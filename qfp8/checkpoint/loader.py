@@ -24,7 +24,7 @@ from torch import nn
 from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.readers import CheckpointPlan, check_scale, open_checkpoint
 from qfp8.nn import QLinear, QuantizationScheme
-from qfp8.nn.experts import QExperts, find_fused_experts, use_eager_experts
+from qfp8.nn.experts import QExperts, find_fused_experts, use_fp8_experts
 from qfp8.nn.qlinear import state_spec
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
@@ -208,7 +208,7 @@ def _experts_skeleton(item, scheme: QuantizationScheme) -> None:
             expert.input_scale = torch.ones(1, device="meta")  # a slot for the stored scale
     delattr(item.module, item.attr)
     setattr(item.module, item.attr, qexperts)
-    use_eager_experts(item.module)
+    use_fp8_experts(item.module)
 
 
 def enable_kv_cache_skeleton(model: nn.Module, dtype: torch.dtype) -> None:

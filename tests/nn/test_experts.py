@@ -121,7 +121,10 @@ def dequantized(qexperts: QExperts) -> torch.Tensor:
     ],
     ids=["channel", "tensor", "block", "w8a8-token", "w8a8-tensor"],
 )
-def test_experts_forward_against_float64(arch, kwargs):
+@pytest.mark.parametrize("implementation", ["qfp8", "eager"])
+def test_experts_forward_against_float64(arch, kwargs, implementation):
+    # "qfp8": the experts implementation quantize registers; "eager": transformers' own loop, which reaches
+    # each expert through experts.gate_up_proj[e] (an ExpertWeight bound to its QLinear).
     model = moe(arch)
     module = experts_of(model)[0]
     float_weights = {a: module._parameters[a].detach().clone() for a in ("gate_up_proj", "down_proj")}
@@ -129,7 +132,8 @@ def test_experts_forward_against_float64(arch, kwargs):
     exact = reference_output(module, float_weights, inputs)
     _, report = quiet_quantize(model, **kwargs)
     assert isinstance(module.gate_up_proj, QExperts) and isinstance(module.down_proj, QExperts)
-    assert model.config._experts_implementation == "eager"
+    assert model.config._experts_implementation == "qfp8"
+    model.config._experts_implementation = implementation
     assert not any(p.dim() == 3 for p in model.parameters())  # the float experts are gone
     entries = {e.name: e for e in report.entries if e.experts}
     assert len(entries) == 4 and all(e.quantized and e.kernel == module.gate_up_proj.packing for e in entries.values())
@@ -148,6 +152,23 @@ def test_experts_forward_against_float64(arch, kwargs):
         weight_only = reference_output(module, fp8_weights, inputs)
         assert (out - weight_only).norm() / weight_only.norm() > 1e-2
     assert formats.sqnr(exact, out) > (22 if "activations" in kwargs else 25)  # e4m3: ~31 dB per weight
+
+
+@pytest.mark.parametrize("tokens", [1, 24])
+def test_the_qfp8_implementation_computes_what_the_eager_loop_does(tokens):
+    model = moe("qwen3_moe")
+    quiet_quantize(model, activations="dynamic")
+    module = experts_of(model)[0]
+    hidden, index, weights = routed_inputs(module, tokens=tokens)
+    index[0, 1] = len(module.gate_up_proj)  # a pair routed past this rank's experts (expert parallel): skipped
+    outputs = {}
+    for implementation in ("qfp8", "eager"):
+        model.config._experts_implementation = implementation
+        with torch.no_grad():
+            outputs[implementation] = module(hidden, index, weights)
+    # Same FP8 products; only the order of the routing-weighted sum differs.
+    assert torch.allclose(outputs["qfp8"], outputs["eager"], rtol=1e-5, atol=1e-6)
+    assert outputs["qfp8"].dtype == hidden.dtype and outputs["qfp8"].abs().min(-1).values.gt(0).all()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
