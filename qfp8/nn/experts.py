@@ -10,6 +10,11 @@ parameter's place: ``experts.gate_up_proj[e]`` is then expert ``e``'s
 on the pre-packed weight, the input quantized as the scheme says (W8A8), and
 calibration recorded, so the model's own forward runs unchanged.
 
+The forward qfp8 selects is :func:`experts_forward`, registered in
+transformers' ``ExpertsInterface`` as the ``"qfp8"`` experts
+implementation: the eager computation without the eager loop's per-expert
+masking, calling each hit expert's QLinear directly.
+
 Static activation scales: one per fused weight, shared by its experts (the
 largest any expert measured), as vLLM's fused MoE kernels take it; an expert
 no calibration token reached gets it too.
