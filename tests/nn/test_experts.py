@@ -472,3 +472,33 @@ def test_torch_compile_runs_the_fp8_experts():
         compiled = torch.compile(model)(ids).logits
     assert (compiled - eager).abs().max() < 1e-5
     torch._dynamo.reset()
+
+
+def test_a_block_fp8_checkpoint_as_qwen_releases_them_loads_exactly(tmp_path):
+    # Qwen3-MoE's official FP8 checkpoints: quant_method "fp8" with weight_block_size, FP8 weights and
+    # weight_scale_inv (one float32 scale per block, dequantized = weight * scale) for every expert part.
+    block = (64, 32)
+    model = moe("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    state = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    for key in [k for k in state if ".experts." in k and k.endswith(".weight")]:
+        q, scale = formats.quantize_weight(state[key], torch.float8_e4m3fn, "block", block)
+        state[key], state[key[: -len("weight")] + "weight_scale_inv"] = q, scale
+    safetensors.torch.save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = qfp8.from_pretrained(tmp_path)
+    gate_up = experts_of(loaded)[1].gate_up_proj
+    assert isinstance(gate_up, QExperts) and gate_up.scheme.weight_scale == "block"
+    stem = "model.layers.1.mlp.experts.3"
+    stored = [
+        formats.dequantize_weight(state[f"{stem}.{p}.weight"], state[f"{stem}.{p}.weight_scale_inv"], block)
+        for p in ("gate_proj", "up_proj")
+    ]
+    assert torch.equal(dequantized(gate_up)[3], torch.cat(stored))
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        assert torch.isfinite(loaded(ids).logits).all()
