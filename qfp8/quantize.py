@@ -304,7 +304,7 @@ def quantize(
     Fused MoE experts (transformers' 3-D ``experts.gate_up_proj`` /
     ``experts.down_proj``) are quantized too, expert by expert, with the same
     weight and activation scheme (static scales: one per fused weight, see
-    qfp8/nn/experts.py; accuracy modes leave them float); their report entries carry ``experts``, and the
+    qfp8/nn/experts.py; ``accuracy="gptq"`` leaves them float); their report entries carry ``experts``, and the
     model then runs its experts one by one (transformers' eager experts
     implementation). ``exclude`` patterns match their ``<module>.<param>`` names.
     Returns ``(model, report)``.
@@ -450,7 +450,7 @@ def quantize(
         del linear, qlinear
     for entry, item in experts:
         if entry.quantized:
-            qexperts = QExperts.from_weight(item.module._parameters[item.attr], scheme, entry.name)
+            qexperts = QExperts.from_weight(item.module._parameters[item.attr], scheme, entry.name, accuracy)
             delattr(item.module, item.attr)  # the float Parameter goes
             setattr(item.module, item.attr, qexperts)
             use_fp8_experts(item.module)

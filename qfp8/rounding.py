@@ -188,18 +188,22 @@ def quantize_weight(
     """Quantizes ``[N, K]`` ``weight`` for inputs with ``hessian = sum x^T x`` (``[K, K]``); returns ``(q, scale)``.
 
     ``mode``: ``"scale"`` (output-aware scale search, nearest rounding) or
-    ``"gptq"`` (that scale, then error-compensating rounding).
+    ``"gptq"`` (that scale, then error-compensating rounding). ``"scale"``
+    reads only the diagonal, which may be given alone (``[K]``).
     """
     check_mode(mode)
     if weight.dim() != 2:
         raise ValueError(f"a weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     k = weight.shape[1]
-    if tuple(hessian.shape) != (k, k):
-        raise ValueError(f"hessian must be [{k}, {k}] for a weight {list(weight.shape)}, got {list(hessian.shape)}")
+    diagonal_only = mode == "scale" and tuple(hessian.shape) == (k,)
+    if tuple(hessian.shape) != (k, k) and not diagonal_only:
+        wanted = f"[{k}, {k}]" + (f" or its diagonal [{k}]" if mode == "scale" else "")
+        raise ValueError(f"hessian must be {wanted} for a weight {list(weight.shape)}, got {list(hessian.shape)}")
     if mode is None:
         return formats.quantize_weight(weight, dtype, granularity, block_size)
     block = formats._check_block_size(block_size) if granularity == "block" else None
-    scale = search_scale(weight, torch.diag(hessian).clamp(min=0), dtype, granularity, block)
+    diagonal = hessian if diagonal_only else torch.diag(hessian)
+    scale = search_scale(weight, diagonal.clamp(min=0), dtype, granularity, block)
     if mode == "scale":
         return formats.quantize_weight(weight, dtype, granularity, block, scale=scale)
     full = _full_scale(scale, weight.shape, granularity, block)

@@ -8,6 +8,7 @@ from torch import nn
 
 import qfp8
 from qfp8 import formats, rounding
+from qfp8.nn import QuantizationScheme
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz]
 
@@ -135,6 +136,22 @@ def test_unknown_accuracy_mode_is_refused(bad):
 def test_hessian_of_wrong_size_is_refused():
     with pytest.raises(ValueError, match=r"hessian must be \[8, 8\]"):
         rounding.quantize_weight(torch.randn(4, 8), torch.eye(5), "gptq")
+
+
+def test_scale_mode_gathers_the_diagonal_only_and_chooses_as_from_the_full_statistics():
+    weight = gguf_like_weight(32, 256)
+    calibration = outlier_inputs(512, 256, seed=5)
+    layer = qfp8.QLinear.from_weight(weight, None, QuantizationScheme(), "probe", accuracy="scale")
+    layer.start_calibration()
+    assert tuple(layer.hessian.shape) == (256,)  # [K], not [K, K]: what "scale" reads
+    layer(calibration)
+    layer.end_calibration()
+    full = rounding.quantize_weight(weight, calibration.t() @ calibration, "scale")
+    diagonal = rounding.quantize_weight(weight, calibration.square().sum(0), "scale")
+    assert torch.equal(layer.weight_scale, diagonal[1]) and torch.equal(layer.canonical_weight(), diagonal[0])
+    assert torch.equal(full[1], diagonal[1])  # the same choice from the same diagonal
+    with pytest.raises(ValueError, match=r"hessian must be \[256, 256\] for a weight \[32, 256\], got \[256\]"):
+        rounding.quantize_weight(weight, calibration.square().sum(0), "gptq")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

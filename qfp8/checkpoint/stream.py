@@ -135,7 +135,7 @@ def _experts_kept_float(scheme: QuantizationScheme, accuracy: str | None, rows: 
     """Why the CLI keeps a fused experts weight (stored as ``parts`` parts of ``rows`` rows) in float ("" when
     it quantizes it): what ``quantize`` refuses, and static scales, which layer-by-layer calibration does not
     measure for experts."""
-    if scheme.activations == "static":
+    if scheme.activations == "static" or accuracy is not None:
         return "layer-by-layer calibration does not run fused MoE experts (quantize and calibrate the model in memory)"
     return scheme_reason(scheme, accuracy, rows * parts, parts)
 

@@ -113,12 +113,21 @@ class QExperts(nn.Module):
         ]
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, scheme: QuantizationScheme, name: str) -> QExperts:
-        """Quantizes the float ``weight`` ``[E, N, K]`` expert by expert (refusing NaN/Inf, naming the expert)."""
+    def from_weight(
+        cls, weight: torch.Tensor, scheme: QuantizationScheme, name: str, accuracy: str | None = None
+    ) -> QExperts:
+        """Quantizes the float ``weight`` ``[E, N, K]`` expert by expert (refusing NaN/Inf, naming the expert).
+
+        ``accuracy="scale"``: each expert's scales are chosen again at the end
+        of :func:`qfp8.calibrate` from the inputs routed to it; an expert no
+        calibration token reached keeps its round-to-nearest weights.
+        """
         if weight.dim() != 3:
             raise ValueError(f"{name}: fused experts weight must be 3-D [experts, out, in], got {list(weight.shape)}")
         module = cls(weight.shape[0], weight.shape[1], weight.shape[2], scheme, weight.dtype, device="meta")
-        module.experts = [QLinear.from_weight(w, None, scheme, f"{name}[{e}]") for e, w in enumerate(weight.detach())]
+        module.experts = [
+            QLinear.from_weight(w, None, scheme, f"{name}[{e}]", accuracy) for e, w in enumerate(weight.detach())
+        ]
         return module
 
     # ------------------------------------------------------------ the 3-D view
@@ -166,8 +175,14 @@ class QExperts(nn.Module):
 
     def end_calibration(self) -> None:
         reached = [e for e in self.experts if e._calibration_amax is not None]
+        pending = [e for e in self.experts if e.accuracy_pending]
         for expert in self.experts:
             expert.end_calibration()
+        if len(pending) > sum(e.accuracy_pending for e in self.experts):
+            # Calibration reached this layer: an expert the routing never chose keeps its nearest rounding
+            # (it has no inputs to fit) rather than holding its float weight and blocking freeze and save.
+            for expert in self.experts:
+                expert.float_weight = None
         if self.scheme.activations == "static" and reached:
             # One scale for the fused weight: the largest measured (what vLLM's fused MoE takes), for every
             # expert, those no calibration token reached included.
@@ -252,8 +267,11 @@ def find_fused_experts(model: nn.Module) -> list[FusedExperts]:
 def scheme_reason(scheme: QuantizationScheme, accuracy: str | None, out_features: int, parts: int) -> str:
     """Why a fused experts weight of ``out_features`` rows per expert, stored in checkpoints as ``parts``
     equal row blocks (gate and up: 2), cannot take ``scheme`` and ``accuracy`` ("" when it can)."""
-    if accuracy is not None:
-        return f"accuracy={accuracy!r} is not built for fused MoE experts (they would be rounded to nearest)"
+    if accuracy == "gptq":
+        return (
+            "accuracy='gptq' is not built for fused MoE experts (it would hold [in, in] statistics per expert; "
+            "accuracy='scale' reaches them)"
+        )
     rows = out_features // parts
     if scheme.weight_scale == "block" and parts > 1 and rows % scheme.block_size[0]:
         halves = "gate and up halves" if parts == 2 else f"{parts} parts"

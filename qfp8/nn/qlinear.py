@@ -556,7 +556,10 @@ class QLinear(nn.Module):
         if self.hessian is not None:
             x2d = x.detach().reshape(-1, self.in_features).to(torch.float32)
             x2d = torch.nan_to_num(x2d, nan=0.0, posinf=0.0, neginf=0.0)
-            self.hessian.addmm_(x2d.t(), x2d)
+            if self.hessian.dim() == 1:  # "scale" reads diag(H) only: [K], not [K, K]
+                self.hessian.add_(x2d.square().sum(0))
+            else:
+                self.hessian.addmm_(x2d.t(), x2d)
         if self.scheme.activations != "static":
             return self._op(x, self.qweight, self.weight_scale, self.bias, self.input_scale, *self._extra_args)
         x2d = x.reshape(-1, self.in_features)
@@ -575,9 +578,8 @@ class QLinear(nn.Module):
         self._fast_op = None
         self._calibration_amax = None
         if self.float_weight is not None:
-            self.hessian = torch.zeros(
-                self.in_features, self.in_features, dtype=torch.float32, device=self.float_weight.device
-            )
+            shape = (self.in_features,) if self.accuracy == "scale" else (self.in_features, self.in_features)
+            self.hessian = torch.zeros(shape, dtype=torch.float32, device=self.float_weight.device)
 
     def abort_calibration(self) -> None:
         """Leaves calibration without using what it recorded (an exception in the block): the layer's scales,
@@ -603,7 +605,7 @@ class QLinear(nn.Module):
 
     def _requantize_for_accuracy(self) -> None:
         hessian, self.hessian = self.hessian, None
-        if not bool(hessian.diagonal().any()):
+        if not bool((hessian if hessian.dim() == 1 else hessian.diagonal()).any()):
             return  # no calibration batch reached this layer: keep waiting
         qweight, scale = rounding.quantize_weight(
             self.float_weight,

@@ -239,7 +239,7 @@ def test_excluded_experts_stay_float_and_are_written_per_expert(tmp_path):
     assert isinstance(experts_of(reloaded)[0].gate_up_proj, QExperts)
 
 
-def test_accuracy_modes_leave_experts_float_with_the_reason():
+def test_accuracy_gptq_leaves_experts_float_with_the_reason():
     model = moe()
     _, report = quiet_quantize(model, accuracy="gptq")
     experts = [e for e in report.entries if e.experts]
@@ -502,3 +502,28 @@ def test_a_block_fp8_checkpoint_as_qwen_releases_them_loads_exactly(tmp_path):
     ids = torch.randint(0, 128, (1, 6))
     with torch.no_grad():
         assert torch.isfinite(loaded(ids).logits).all()
+
+
+def test_accuracy_scale_fits_each_routed_expert_and_keeps_the_others_rounded_to_nearest():
+    model = moe()
+    module = experts_of(model)[0]
+    float_gate_up = module.gate_up_proj.detach().clone()
+    hidden, _, weights = routed_inputs(module, tokens=48)
+    g = torch.Generator().manual_seed(12)
+    index = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(48)])  # expert 3 gets no token
+    rtn = [
+        formats.dequantize_weight(*formats.quantize_weight(w, torch.float8_e4m3fn, "channel")) for w in float_gate_up
+    ]
+    _, report = quiet_quantize(model, accuracy="scale")
+    assert all(e.quantized for e in report.entries if e.experts)
+    with qfp8.calibrate(model):
+        module(hidden, index, weights)
+    fitted = dequantized(module.gate_up_proj)
+    assert not any(e.accuracy_pending for e in module.gate_up_proj.experts + module.down_proj.experts)
+    assert torch.equal(fitted[3], rtn[3])  # never routed: nearest rounding
+    for e in range(3):  # routed: the scales minimise sum_k err_k^2 H_kk over the inputs it saw
+        diag = hidden[(index == e).any(-1)].square().sum(0)
+        objective = {
+            k: float(((w - float_gate_up[e]).square() * diag).sum()) for k, w in (("fit", fitted[e]), ("rtn", rtn[e]))
+        }
+        assert objective["fit"] < objective["rtn"], objective
