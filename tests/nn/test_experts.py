@@ -527,3 +527,18 @@ def test_accuracy_scale_fits_each_routed_expert_and_keeps_the_others_rounded_to_
             k: float(((w - float_gate_up[e]).square() * diag).sum()) for k, w in (("fit", fitted[e]), ("rtn", rtn[e]))
         }
         assert objective["fit"] < objective["rtn"], objective
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_static_w8a8_with_fp8_kv_cache_generates_the_same_tokens_after_reload(arch, tmp_path):
+    model = moe(arch)
+    quiet_quantize(model, activations="static", kv_cache="float8_e4m3fn")
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(13))
+    with qfp8.calibrate(model):
+        model(ids)
+    qfp8.freeze(model)
+    generated = model.generate(ids[:, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    qfp8.save_pretrained(model, tmp_path)
+    reloaded = qfp8.from_pretrained(tmp_path)
+    assert isinstance(experts_of(reloaded)[0].down_proj, QExperts)
+    assert torch.equal(reloaded.generate(ids[:, :5], max_new_tokens=6, do_sample=False, pad_token_id=0), generated)
