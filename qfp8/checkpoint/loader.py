@@ -59,13 +59,7 @@ def _expert_parts(model: nn.Module, names: CheckpointNames) -> dict[str, _Expert
 
 def _stack_experts(fused: str, count: int, pieces: dict[tuple[int, int], torch.Tensor], parts: int, suffix: str):
     """One fused tensor ``[E, ...]`` from the per-expert, per-part tensors ``pieces[(expert, part)]``."""
-    absent = [(e, p) for e in range(count) for p in range(parts) if (e, p) not in pieces]
-    if absent:
-        raise ValueError(
-            f"the checkpoint stores {len(pieces)} of the {count * parts} expert parts of {fused} ({suffix}); "
-            f"missing: expert {absent[0][0]} part {absent[0][1]}"
-            + (f" and {len(absent) - 1} more" if len(absent) > 1 else "")
-        )
+    _check_all_parts(fused, count, pieces, parts, suffix)
     experts = []
     for e in range(count):
         own = [pieces[(e, p)] for p in range(parts)]
@@ -76,6 +70,16 @@ def _stack_experts(fused: str, count: int, pieces: dict[tuple[int, int], torch.T
         else:
             experts.append(torch.cat(own) if parts > 1 else own[0])
     return torch.stack(experts)
+
+
+def _check_all_parts(fused: str, count: int, pieces: dict, parts: int, suffix: str) -> None:
+    absent = [(e, p) for e in range(count) for p in range(parts) if (e, p) not in pieces]
+    if absent:
+        raise ValueError(
+            f"the checkpoint stores {len(pieces)} of the {count * parts} expert parts of {fused} ({suffix}); "
+            f"missing: expert {absent[0][0]} part {absent[0][1]}"
+            + (f" and {len(absent) - 1} more" if len(absent) > 1 else "")
+        )
 
 
 def _parts_scales_differ(pieces: dict[tuple[int, int], torch.Tensor], parts: int) -> bool:
@@ -99,19 +103,44 @@ def _scales_per_row(fused: str, scales: dict, weights: dict) -> torch.Tensor:
     ).to(torch.float32)
 
 
+class ExpertWeights(NamedTuple):
+    """The stored FP8 weights of a fused experts parameter, expert by expert, read when asked for."""
+
+    pieces: dict[tuple[int, int], torch.Tensor]  # (expert, part) -> [rows, in], views of the mapped file
+    parts: int
+
+    def expert(self, e: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert ``e``'s ``[out, in]`` weight: its parts concatenated (into ``out`` if it fits), or its
+        one part's stored view."""
+        own = [self.pieces[(e, p)] for p in range(self.parts)]
+        if len(own) == 1:
+            return own[0]
+        rows = sum(t.shape[0] for t in own)
+        if out is None or out.shape != (rows, *own[0].shape[1:]) or out.dtype != own[0].dtype:
+            return torch.cat(own)
+        return torch.cat(own, out=out)
+
+    def stored(self, e: int) -> list[torch.Tensor]:
+        return [self.pieces[(e, p)] for p in range(self.parts)]
+
+
 def checkpoint_to_model(
     model: nn.Module, schemes: dict[str, QuantizationScheme], state: dict[str, torch.Tensor] | None
-) -> tuple[dict[str, QuantizationScheme], dict[str, torch.Tensor] | None]:
+) -> tuple[dict[str, QuantizationScheme], dict[str, torch.Tensor] | None, dict[str, ExpertWeights]]:
     """A checkpoint's module schemes and tensors under ``model``'s names (see qfp8/checkpoint/naming.py).
 
-    Per-expert tensors (``experts.<e>.w1.weight``...) are stacked into the
-    model's fused experts tensors: ``<fused>.weight``/``.weight_scale`` for
-    quantized ones, ``<fused>`` itself for float ones. Names the model has as
-    they are (older qfp8 checkpoints) stay.
+    Per-expert tensors (``experts.<e>.w1.weight``...) become the model's
+    fused experts tensors: ``<fused>.weight``/``.weight_scale`` for quantized
+    ones, ``<fused>`` itself for float ones (stacked). A quantized fused
+    weight is not stacked: the state holds a meta tensor of its shape, and the
+    third result its stored weights (:class:`ExpertWeights`), which
+    :func:`assign_state` reads one expert at a time, so that no copy of all
+    the experts is made. Names the model has as they are (older qfp8
+    checkpoints) stay.
     """
     names = CheckpointNames(model)
     if names.identity:
-        return schemes, state
+        return schemes, state, {}
     parts_of = _expert_parts(model, names)
     own_names = set(model.state_dict(keep_vars=True))
     out_schemes: dict[str, QuantizationScheme] = {}
@@ -136,8 +165,9 @@ def checkpoint_to_model(
             )
         out_schemes[fused] = found.pop()
     if state is None:
-        return out_schemes, None
+        return out_schemes, None, {}
     out_state: dict[str, torch.Tensor] = {}
+    deferred: dict[str, ExpertWeights] = {}
     pieces: dict[tuple[str, str], dict[tuple[int, int], torch.Tensor]] = {}
     for key, value in state.items():
         module, _, suffix = key.rpartition(".")
@@ -155,10 +185,18 @@ def checkpoint_to_model(
             out_state[f"{fused}.{suffix}"] = _scales_per_row(fused, found, pieces.get((fused, "weight"), {}))
             out_schemes[fused] = dataclasses.replace(out_schemes[fused], weight_scale="channel")
             continue
-        stacked = _stack_experts(fused, layout[fused].experts, found, layout[fused].parts, suffix)
         quantized = fused in out_schemes
+        if quantized and suffix == "weight":
+            _check_all_parts(fused, layout[fused].experts, found, layout[fused].parts, suffix)
+            first = [found[(0, p)] for p in range(layout[fused].parts)]
+            rows = sum(t.shape[0] for t in first)
+            shape = (layout[fused].experts, rows, *first[0].shape[1:])
+            out_state[f"{fused}.weight"] = torch.empty(shape, dtype=first[0].dtype, device="meta")
+            deferred[f"{fused}.weight"] = ExpertWeights(found, layout[fused].parts)
+            continue
+        stacked = _stack_experts(fused, layout[fused].experts, found, layout[fused].parts, suffix)
         out_state[f"{fused}.{suffix}" if quantized else fused] = stacked
-    return out_schemes, out_state
+    return out_schemes, out_state, deferred
 
 
 def build_skeleton(model: nn.Module, schemes: dict[str, QuantizationScheme]) -> None:
@@ -275,14 +313,22 @@ def _empty_buffer_slot(model: nn.Module, key: str) -> bool:
     return leaf in module._buffers and module._buffers[leaf] is None
 
 
-def assign_state(model: nn.Module, state: dict[str, torch.Tensor], plan: CheckpointPlan | None = None) -> None:
+def assign_state(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    plan: CheckpointPlan | None = None,
+    expert_weights: dict[str, ExpertWeights] | None = None,
+) -> None:
     """``model.load_state_dict(state, assign=True)`` after checking every name, shape and dtype.
 
     Float tensors take the dtype the model has for them (as a copying
     ``load_state_dict`` would): a float32 checkpoint loaded with
     ``dtype=torch.bfloat16`` computes in bfloat16. FP8 weights and float32
     scales stay as stored. Errors name the file (when known), the tensor and both sizes.
+    ``expert_weights``: fused experts weights held in ``state`` as meta
+    placeholders, read expert by expert (see :func:`checkpoint_to_model`).
     """
+    expert_weights = dict(expert_weights or {})
     with state_spec():
         expected = model.state_dict(keep_vars=True)
     unexpected = sorted(key for key in set(state) - set(expected) if not _empty_buffer_slot(model, key))
@@ -311,18 +357,19 @@ def assign_state(model: nn.Module, state: dict[str, torch.Tensor], plan: Checkpo
             raise ValueError(f"{_where(plan, key)}tensor {key!r} is {value.dtype}, the model expects {target.dtype}")
         if target.is_floating_point() and not target_fp8 and value.dtype != target.dtype:
             state[key] = value.to(target.dtype)
-    # QLinears first, one at a time: a kernel that packs weights makes its own
-    # copy, and the mapped pages of the stored weight are released right away
-    # so that the file and the packed copy are never both resident.
+    # QLinears (and experts) first, one at a time: a kernel that packs weights
+    # makes its own copy, and the mapped pages of the stored weight are
+    # released right away so that the file and the packed copy are never both resident.
     for name, module in model.named_modules():
-        if not isinstance(module, QLinear) or name + ".weight" not in state:
+        if not isinstance(module, (QLinear, QExperts)) or name + ".weight" not in state:
             continue
         prefix = name + "."
         own = {key[len(prefix) :]: state.pop(key) for key in list(state) if key.startswith(prefix)}
+        if isinstance(module, QExperts):
+            _assign_experts(module, name, own, expert_weights.pop(name + ".weight", None))
+            continue
         module.load_state_dict(own, strict=False, assign=True)
-        stored = own["weight"]
-        if module.qweight.untyped_storage().data_ptr() != stored.untyped_storage().data_ptr():
-            release_pages(stored)
+        _release_if_copied(module, own["weight"])
     result = model.load_state_dict(state, strict=False, assign=True)
     _tie(model)
     still_meta = [
@@ -337,6 +384,30 @@ def assign_state(model: nn.Module, state: dict[str, torch.Tensor], plan: Checkpo
             f"{source} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:5])}"
             + (" ..." if len(missing) > 5 else "")
         )
+
+
+def _release_if_copied(module: QLinear, stored: torch.Tensor) -> None:
+    if module.qweight.untyped_storage().data_ptr() != stored.untyped_storage().data_ptr():
+        release_pages(stored)
+
+
+def _assign_experts(module: QExperts, name: str, own: dict, weights: ExpertWeights | None) -> None:
+    """Loads a QExperts from its state entries, its FP8 weights expert by expert when ``weights`` holds them."""
+    if weights is None:  # stacked in the state dict (a checkpoint written by an older qfp8)
+        module.load_state_dict(own, strict=False, assign=True)
+        return
+    buffer = None  # the concatenated parts of one expert, reused while the kernel keeps its own packed copy
+    for e, expert in enumerate(module.experts):
+        state = {key: value[e] for key, value in own.items() if key != "weight"}
+        state["weight"] = weights.expert(e, out=buffer)
+        errors: list[str] = []
+        expert._load_from_state_dict(state, "", {}, True, [], [], errors)
+        if errors:
+            raise ValueError(f"{name}[{e}]: " + "; ".join(errors))
+        for stored in weights.stored(e):
+            _release_if_copied(expert, stored)
+        kept = expert.qweight.untyped_storage().data_ptr() == state["weight"].untyped_storage().data_ptr()
+        buffer = None if kept or weights.parts == 1 else state["weight"]
 
 
 def normalize_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -486,11 +557,11 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
         dtype = getattr(torch, dtype)
     with _empty_weights():
         model = _build_model(transformers, config, dtype)
-    schemes, state = checkpoint_to_model(model, plan.schemes, plan.state_dict(mmap=True))
+    schemes, state, expert_weights = checkpoint_to_model(model, plan.schemes, plan.state_dict(mmap=True))
     build_skeleton(model, schemes)
     if plan.kv_cache_dtype is not None:
         enable_kv_cache_skeleton(model, plan.kv_cache_dtype)
-    assign_state(model, state, plan)
+    assign_state(model, state, plan, expert_weights)
     model.qfp8_source = str(checkpoint.directory)
     model.qfp8_checkpoint_format = plan.format
     model.eval()

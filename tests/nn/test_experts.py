@@ -11,6 +11,9 @@ the float model, and by a bitwise round trip.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -542,3 +545,37 @@ def test_static_w8a8_with_fp8_kv_cache_generates_the_same_tokens_after_reload(ar
     reloaded = qfp8.from_pretrained(tmp_path)
     assert isinstance(experts_of(reloaded)[0].down_proj, QExperts)
     assert torch.equal(reloaded.generate(ids[:, :5], max_new_tokens=6, do_sample=False, pad_token_id=0), generated)
+
+
+def test_loading_an_moe_checkpoint_peaks_near_its_size(tmp_path):
+    # A separate process, its first load measured (the modeling code imported before). The experts are
+    # read one at a time from the mapped file (no stacked copy of a fused weight), and the file's pages
+    # are let go once packed.
+    config = transformers.MixtralConfig(
+        **{**COMMON, "hidden_size": 512, "num_hidden_layers": 4},
+        intermediate_size=1024, num_local_experts=16, num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config).eval()
+    quiet_quantize(model)
+    qfp8.save_pretrained(model, tmp_path)
+    size = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
+    del model
+    script = textwrap.dedent(
+        f"""
+        import json, qfp8, torch, transformers.models.mixtral.modeling_mixtral
+        def rss(field):
+            for line in open("/proc/self/status"):
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        with torch.device("meta"):  # the modeling code imported and run once, without weights
+            transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained({str(tmp_path)!r}))
+        open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current RSS
+        base = rss("VmRSS:")
+        model = qfp8.from_pretrained({str(tmp_path)!r})
+        print(json.dumps({{"load_peak": rss("VmHWM:") - base, "file_pages": rss("RssFile:")}}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"checkpoint {size / 1e6:.1f} MB, load peak +{figures['load_peak'] / 1e6:.1f} MB")
+    assert figures["load_peak"] <= 1.5 * size + 8e6  # 1.09x here; stacking every fused weight first: 3.0x
