@@ -132,7 +132,10 @@ class QExperts(nn.Module):
 
     # ------------------------------------------------------------ the 3-D view
     def __getitem__(self, index) -> ExpertWeight:
-        return ExpertWeight.bound(self.experts[int(index)])
+        e = int(index)
+        if not -self.num_experts <= e < self.num_experts:
+            raise IndexError(f"expert {e} of QExperts with {self.num_experts} experts")
+        return ExpertWeight.bound(self.experts[e])
 
     def __len__(self) -> int:
         return self.num_experts
@@ -294,6 +297,16 @@ def _expert_linear(weights, expert: int, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weights[expert])
 
 
+def _check_expert_ids(module: nn.Module, lowest: int, highest: int) -> None:
+    # num_experts itself marks a pair another rank computes (expert parallelism), as in transformers' loop.
+    if lowest < 0 or highest > module.num_experts:
+        bad = lowest if lowest < 0 else highest
+        raise ValueError(
+            f"{type(module).__name__}: top_k_index holds expert {bad}; this layer has experts 0 to "
+            f"{module.num_experts - 1}"
+        )
+
+
 def experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -317,13 +330,17 @@ def experts_forward(
         return self.post_expert_norm(h) if self.has_post_expert_norm else h
 
     if num_tokens == 1:  # one token (decoding a single sequence): its experts in turn, one weighted sum
-        pairs = [(k, e) for k, e in enumerate(top_k_index.reshape(-1).tolist()) if e < self.num_experts]
+        ids = top_k_index.reshape(-1).tolist()
+        _check_expert_ids(self, min(ids, default=0), max(ids, default=0))
+        pairs = [(k, e) for k, e in enumerate(ids) if e < self.num_experts]
         if not pairs:
             return torch.zeros_like(hidden_states)
         outs = torch.cat([expert_output(e, hidden_states) for _, e in pairs]).float()
         weights = top_k_weights.reshape(-1)[[k for k, _ in pairs]].float()
         return (weights @ outs).reshape(1, hidden_dim).to(hidden_states.dtype)
     expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    if expert_ids.numel():
+        _check_expert_ids(self, int(expert_ids[0]), int(expert_ids[-1]))
     counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
     tokens = order // num_top_k
     selected = hidden_states[tokens]

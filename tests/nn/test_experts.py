@@ -174,6 +174,22 @@ def test_the_qfp8_implementation_computes_what_the_eager_loop_does(tokens):
     assert outputs["qfp8"].dtype == hidden.dtype and outputs["qfp8"].abs().min(-1).values.gt(0).all()
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_expert_ids_past_the_layer_are_refused_with_the_sizes(tokens):
+    model = moe()
+    quiet_quantize(model)
+    module = experts_of(model)[0]
+    hidden, index, weights = routed_inputs(module, tokens=tokens)
+    for bad in (7, -1):
+        index[0, 0] = bad
+        with pytest.raises(
+            ValueError, match=rf"MixtralExperts: top_k_index holds expert {bad}; this layer has experts 0 to 3"
+        ):
+            module(hidden, index, weights)
+    with pytest.raises(IndexError, match="expert 4 of QExperts with 4 experts"):
+        module.gate_up_proj[4]
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_checkpoint_names_are_transformers_own_and_round_trip_bitwise(arch, tmp_path):
     float_model = moe(arch)
