@@ -399,38 +399,33 @@ def test_state_dict_round_trip_through_load_state_dict():
         assert torch.equal(other(ids).logits, model(ids).logits)
 
 
-def test_the_streaming_cli_quantizes_experts_as_quantize_does(tmp_path):
-    from qfp8.checkpoint.stream import stream_quantize
-
-    moe().save_pretrained(tmp_path / "float")
-    stream_quantize(tmp_path / "float", tmp_path / "cli", activations="dynamic", progress=False)
-    stored = safetensors.torch.load_file(tmp_path / "cli" / "model.safetensors")
-    assert stored["model.layers.1.block_sparse_moe.experts.2.w3.weight"].dtype == torch.float8_e4m3fn
-    from_cli = qfp8.from_pretrained(tmp_path / "cli")
-    in_memory = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "float").eval()
-    quiet_quantize(in_memory, activations="dynamic")
-    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        assert torch.equal(from_cli(ids).logits, in_memory(ids).logits)
-
-
-def test_the_streaming_cli_gives_an_expert_one_per_tensor_scale_as_quantize_does(tmp_path):
+@pytest.mark.parametrize(
+    "cli, in_memory",
+    [
+        ({"activations": "dynamic"}, {"activations": "dynamic"}),
+        ({"weight_scale_granularity": "tensor"}, {"weight_scale": "tensor"}),
+    ],
+    ids=["w8a8", "per-tensor"],
+)
+def test_the_streaming_cli_quantizes_experts_as_quantize_does(cli, in_memory, tmp_path):
     from qfp8.checkpoint.stream import stream_quantize
 
     moe().save_pretrained(tmp_path / "float")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing kept in float, nothing to warn about
-        stream_quantize(tmp_path / "float", tmp_path / "cli", weight_scale_granularity="tensor", progress=False)
+        stream_quantize(tmp_path / "float", tmp_path / "cli", progress=False, **cli)
     stored = safetensors.torch.load_file(tmp_path / "cli" / "model.safetensors")
-    w1, w3 = (stored[f"model.layers.0.block_sparse_moe.experts.3.{p}.weight_scale"] for p in ("w1", "w3"))
-    assert torch.equal(w1, w3)  # the gate and up parts share the expert's scale
+    w1, w3 = (f"model.layers.0.block_sparse_moe.experts.3.{p}" for p in ("w1", "w3"))
+    assert stored[w3 + ".weight"].dtype == torch.float8_e4m3fn
+    if "weight_scale" in in_memory:  # per tensor: the gate and up parts share the expert's scale
+        assert torch.equal(stored[w1 + ".weight_scale"], stored[w3 + ".weight_scale"])
     from_cli = qfp8.from_pretrained(tmp_path / "cli")
-    assert experts_of(from_cli)[0].gate_up_proj.scheme.weight_scale == "tensor"
-    in_memory = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "float").eval()
-    quiet_quantize(in_memory, weight_scale="tensor")
+    assert experts_of(from_cli)[0].gate_up_proj.scheme.weight_scale == in_memory.get("weight_scale", "channel")
+    reference = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "float").eval()
+    quiet_quantize(reference, **in_memory)
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        assert torch.equal(from_cli(ids).logits, in_memory(ids).logits)
+        assert torch.equal(from_cli(ids).logits, reference(ids).logits)
 
 
 def autofp8_mixtral(directory):
