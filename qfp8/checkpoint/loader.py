@@ -57,15 +57,23 @@ def _expert_parts(model: nn.Module, names: CheckpointNames) -> dict[str, _Expert
     return found
 
 
-def _stack_experts(fused: str, count: int, pieces: dict[tuple[int, int], torch.Tensor], parts: int, suffix: str):
-    """One fused tensor ``[E, ...]`` from the per-expert, per-part tensors ``pieces[(expert, part)]``."""
+def _stack_experts(
+    fused: str,
+    count: int,
+    pieces: dict[tuple[int, int], torch.Tensor],
+    parts: int,
+    suffix: str,
+    per_tensor: bool = False,
+):
+    """One fused tensor ``[E, ...]`` from the per-expert, per-part tensors ``pieces[(expert, part)]``
+    (``per_tensor``: weight scales of a per-tensor scheme, one per expert)."""
     _check_all_parts(fused, count, pieces, parts, suffix)
     experts = []
     for e in range(count):
         own = [pieces[(e, p)] for p in range(parts)]
         if suffix == "input_scale":  # the parts read the same input: the larger scale clips neither
             experts.append(torch.stack([t.reshape(-1)[0] for t in own]).amax().reshape(1))
-        elif suffix == "weight_scale" and all(t.numel() == 1 for t in own):  # per-tensor: one scale per expert
+        elif suffix == "weight_scale" and per_tensor:
             experts.append(own[0].reshape(1))
         else:
             experts.append(torch.cat(own) if parts > 1 else own[0])
@@ -178,12 +186,13 @@ def checkpoint_to_model(
         pieces.setdefault((where.fused, suffix), {})[(where.expert, where.part)] = value
         layout[where.fused] = where
     for (fused, suffix), found in pieces.items():
-        if suffix == "weight_scale" and _parts_scales_differ(found, layout[fused].parts):
+        per_tensor = fused in out_schemes and out_schemes[fused].weight_scale == "tensor"
+        if suffix == "weight_scale" and per_tensor and _parts_scales_differ(found, layout[fused].parts):
             # Per-tensor scales that differ between an expert's gate and up parts (AutoFP8, llm-compressor):
             # held exactly as per-channel scales, each row taking its part's.
             _stack_experts(fused, layout[fused].experts, found, layout[fused].parts, suffix)  # every part there
             out_state[f"{fused}.{suffix}"] = _scales_per_row(fused, found, pieces.get((fused, "weight"), {}))
-            out_schemes[fused] = dataclasses.replace(out_schemes[fused], weight_scale="channel")
+            out_schemes[fused] = dataclasses.replace(out_schemes[fused], weight_scale="channel", block_size=())
             continue
         quantized = fused in out_schemes
         if quantized and suffix == "weight":
@@ -194,7 +203,7 @@ def checkpoint_to_model(
             out_state[f"{fused}.weight"] = torch.empty(shape, dtype=first[0].dtype, device="meta")
             deferred[f"{fused}.weight"] = ExpertWeights(found, layout[fused].parts)
             continue
-        stacked = _stack_experts(fused, layout[fused].experts, found, layout[fused].parts, suffix)
+        stacked = _stack_experts(fused, layout[fused].experts, found, layout[fused].parts, suffix, per_tensor)
         out_state[f"{fused}.{suffix}" if quantized else fused] = stacked
     return out_schemes, out_state, deferred
 

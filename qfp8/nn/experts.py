@@ -45,6 +45,7 @@ __all__ = [
     "checkpoint_parts",
     "find_fused_experts",
     "experts_forward",
+    "register_experts_implementation",
     "scheme_reason",
     "use_fp8_experts",
 ]
@@ -90,6 +91,10 @@ class ExpertWeight(Float8WeightTensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
+class NotATensorError(TypeError, AttributeError):
+    """A tensor attribute asked of :class:`QExperts` (an AttributeError too, so ``hasattr`` says False)."""
+
+
 class QExperts(nn.Module):
     """``num_experts`` FP8 weights ``[out_features, in_features]``, indexed as the 3-D parameter they replace."""
 
@@ -132,6 +137,13 @@ class QExperts(nn.Module):
 
     # ------------------------------------------------------------ the 3-D view
     def __getitem__(self, index) -> ExpertWeight:
+        if isinstance(index, torch.Tensor) and index.numel() != 1 or isinstance(index, (slice, list, tuple)):
+            raise TypeError(
+                f"QExperts ({self.extra_repr()}) is indexed one expert at a time, got {type(index).__name__}"
+                + (f" of shape {list(index.shape)}" if isinstance(index, torch.Tensor) else "")
+                + f"; an experts implementation that gathers several experts' weights cannot run FP8 experts: "
+                f"set config._experts_implementation to {IMPLEMENTATION!r} (what qfp8.quantize sets) or 'eager'"
+            )
         e = int(index)
         if not -self.num_experts <= e < self.num_experts:
             raise IndexError(f"expert {e} of QExperts with {self.num_experts} experts")
@@ -156,6 +168,24 @@ class QExperts(nn.Module):
         return (
             f"num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, "
             f"scheme={self.scheme.describe()}, kernel={self.packing}"
+        )
+
+    def __setstate__(self, state):
+        # Unpickled in another process (torch.load of a whole model): the model's config still names the
+        # "qfp8" experts implementation, which that process has not registered yet.
+        super().__setstate__(state)
+        register_experts_implementation()
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or not hasattr(torch.Tensor, name):
+                raise
+        raise NotATensorError(
+            f"QExperts ({self.extra_repr()}) is not a tensor (asked for .{name}): an experts implementation that "
+            f"takes the 3-D weights whole cannot run FP8 experts; set config._experts_implementation to "
+            f"{IMPLEMENTATION!r} (what qfp8.quantize sets) or 'eager'"
         )
 
     def named_experts(self, name: str) -> list[tuple[str, QLinear]]:
@@ -360,15 +390,20 @@ def experts_forward(
 IMPLEMENTATION = "qfp8"
 
 
+def register_experts_implementation() -> bool:
+    """Registers :func:`experts_forward` as transformers' ``"qfp8"`` experts implementation (False: this
+    transformers has no experts registry)."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return False
+    if ALL_EXPERTS_FUNCTIONS.get(IMPLEMENTATION) is not experts_forward:
+        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
+    return True
+
+
 def use_fp8_experts(module: nn.Module) -> None:
     """Makes transformers run ``module``'s experts through :func:`experts_forward` (registered as the
     ``"qfp8"`` experts implementation; transformers without that registry: its eager forward, which indexes
     the weights). The grouped and batched implementations take the 3-D tensors whole."""
-    try:
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-    except ImportError:
-        module.config._experts_implementation = "eager"
-        return
-    if ALL_EXPERTS_FUNCTIONS.get(IMPLEMENTATION) is not experts_forward:
-        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
-    module.config._experts_implementation = IMPLEMENTATION
+    module.config._experts_implementation = IMPLEMENTATION if register_experts_implementation() else "eager"

@@ -590,3 +590,55 @@ def test_loading_an_moe_checkpoint_peaks_near_its_size(tmp_path):
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"checkpoint {size / 1e6:.1f} MB, load peak +{figures['load_peak'] / 1e6:.1f} MB")
     assert figures["load_peak"] <= 1.5 * size + 8e6  # 1.09x here; stacking every fused weight first: 3.0x
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_experts_whose_parts_fit_one_block_round_trip(arch, tmp_path):
+    # 128 x 128 blocks on 128-row parts: one block scale per part, [1, 1], which is not a per-tensor scale.
+    model = moe(arch)
+    quiet_quantize(model, weight_scale="block")
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        logits = model(ids).logits
+    qfp8.save_pretrained(model, tmp_path)
+    reloaded = qfp8.from_pretrained(tmp_path)
+    assert all(m.gate_up_proj.scheme.weight_scale == "block" for m in experts_of(reloaded))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, logits)
+
+
+def test_a_whole_moe_model_unpickles_in_a_new_process(tmp_path):
+    model = moe()
+    quiet_quantize(model)
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.save({"model": model, "ids": ids, "logits": expected}, tmp_path / "model.pt")
+    script = textwrap.dedent(
+        f"""
+        import torch, qfp8
+        saved = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+        with torch.no_grad():
+            assert torch.equal(saved["model"](saved["ids"]).logits, saved["logits"])
+        print(saved["model"].config._experts_implementation)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("qfp8")
+
+
+@pytest.mark.parametrize(
+    "implementation, message",
+    [
+        ("grouped_mm", r"is not a tensor \(asked for \.transpose\).*'qfp8'"),
+        ("batched_mm", r"is indexed one expert at a time, got Tensor of shape \[\d+\].*'qfp8'"),
+    ],
+)
+def test_experts_implementations_that_take_whole_weights_say_what_to_set(implementation, message):
+    model = moe()
+    quiet_quantize(model)
+    model.config._experts_implementation = implementation
+    with pytest.raises(TypeError, match=message), torch.no_grad():
+        model(torch.randint(0, 128, (1, 5)))
+    assert not hasattr(experts_of(model)[0].gate_up_proj, "data")  # hasattr still answers False
