@@ -224,11 +224,20 @@ def stream_quantize(
     linears, expert_parts = _linear_names(checkpoint.directory)
     user_patterns = exclude is not DEFAULT_EXCLUDE
     exclude = exclude_patterns(exclude)
+    fused_names = sorted({fused for fused, _ in expert_parts.values()})
     if user_patterns:
         for note in unmatched_exclude_notes(
-            exclude, linears, checkpoint.config.get("model_type", "the model"), "qfp8 quantize"
+            exclude,
+            [*linears, *expert_parts, *fused_names],
+            checkpoint.config.get("model_type", "the model"),
+            "qfp8 quantize",
         ):
             warnings.warn(note, stacklevel=2)
+    # A fused experts weight is quantized whole (qfp8 holds it with one scheme): a pattern matching its model
+    # name or any of its parts' checkpoint names (experts.3.w1) keeps all of it float.
+    excluded_fused = {
+        fused for name, (fused, _) in expert_parts.items() if excluded_by(name, exclude) or excluded_by(fused, exclude)
+    }
     quantized, ignored = {}, []
     layers: dict[str, qconfig.Layer] = {}
     for name in linears:
@@ -250,7 +259,7 @@ def stream_quantize(
             "missing or not 2-D" if shape is None or len(shape) != 2
             else _experts_kept_float(scheme, accuracy, shape[0], len(siblings))
         )  # fmt: skip
-        if reason or excluded_by(name, exclude) or excluded_by(fused, exclude):
+        if reason or fused in excluded_fused:
             experts_reason = experts_reason or reason
             ignored.append(name)
             layers[name] = (None, shape)

@@ -642,3 +642,27 @@ def test_experts_implementations_that_take_whole_weights_say_what_to_set(impleme
     with pytest.raises(TypeError, match=message), torch.no_grad():
         model(torch.randint(0, 128, (1, 5)))
     assert not hasattr(experts_of(model)[0].gate_up_proj, "data")  # hasattr still answers False
+
+
+def test_the_streaming_cli_excludes_a_fused_weight_whole(tmp_path):
+    from qfp8.checkpoint.stream import stream_quantize
+
+    moe().save_pretrained(tmp_path / "float")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # each pattern matches: no "excludes nothing" warning
+        stream_quantize(tmp_path / "float", tmp_path / "a", exclude=["lm_head", "*.w1"], progress=False)
+        stream_quantize(
+            tmp_path / "float", tmp_path / "b", exclude=["lm_head", "*mlp.experts.down_proj"], progress=False
+        )
+    a, b = (safetensors.torch.load_file(tmp_path / d / "model.safetensors") for d in "ab")
+    stem = "model.layers.0.block_sparse_moe.experts.1"
+    # A part pattern (w1) keeps the whole gate/up weight float, w3 included: qfp8 holds it with one scheme.
+    assert a[f"{stem}.w1.weight"].dtype == a[f"{stem}.w3.weight"].dtype == torch.float32
+    assert a[f"{stem}.w2.weight"].dtype == torch.float8_e4m3fn
+    assert b[f"{stem}.w2.weight"].dtype == torch.float32 and b[f"{stem}.w1.weight"].dtype == torch.float8_e4m3fn
+    for d in "ab":
+        kinds = {
+            type(m.gate_up_proj).__name__ + "/" + type(m.down_proj).__name__
+            for m in experts_of(qfp8.from_pretrained(tmp_path / d))
+        }
+        assert kinds == {"Parameter/QExperts" if d == "a" else "QExperts/Parameter"}
