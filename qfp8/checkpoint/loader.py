@@ -48,12 +48,13 @@ class _ExpertPart(NamedTuple):
 def _expert_parts(model: nn.Module, names: CheckpointNames) -> dict[str, _ExpertPart]:
     """Checkpoint module name of each expert part (``...experts.3.w1``) -> where it goes in ``model``."""
     found = {}
-    for item in find_fused_experts(model):
-        param = item.module._parameters[item.attr]
-        modules = names.expert_modules(item.name, param.shape[0])
+    fused = [(item.name, item.module._parameters[item.attr].shape[0]) for item in find_fused_experts(model)]
+    fused += [(name, m.num_experts) for name, m in model.named_modules() if isinstance(m, QExperts)]  # quantized
+    for fused_name, count in fused:
+        modules = names.expert_modules(fused_name, count)
         for expert, parts in enumerate(modules or ()):
             for part, name in enumerate(parts):
-                found[name] = _ExpertPart(item.name, expert, part, len(modules), len(parts))
+                found[name] = _ExpertPart(fused_name, expert, part, len(modules), len(parts))
     return found
 
 
@@ -473,9 +474,29 @@ def _key_mismatches(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[l
     return missing, unexpected
 
 
+def _from_checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor]):
+    """A state dict under transformers' checkpoint names (what save_pretrained writes: Mixtral's
+    ``block_sparse_moe.experts.<e>.w1``...) -> the model's names; one under the model's names as it is."""
+    with state_spec():
+        own = set(model.state_dict(keep_vars=True))
+    if all(key in own for key in state):
+        return state, {}
+    names = CheckpointNames(model)
+    schemes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QExperts):
+            for parts in names.expert_modules(name, module.num_experts) or ():
+                schemes.update(dict.fromkeys(parts, module.scheme))
+    _, state, expert_weights = checkpoint_to_model(model, schemes, state)
+    return state, expert_weights
+
+
 def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> nn.Module:
     """Loads a quantized state dict into a quantized model or meta skeleton (tensors are assigned, not copied).
 
+    The state dict may use the model's names (``model.state_dict()``) or the
+    checkpoint names ``save_pretrained`` writes (per-expert tensors of fused
+    MoE experts, Mixtral's ``block_sparse_moe``).
     ``strict`` as in torch's ``load_state_dict``: by default a tensor the model
     has and the state dict lacks (or one the model does not have) raises a
     ``ValueError`` naming it; with ``strict=False`` such tensors are skipped
@@ -491,7 +512,7 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
         )
     if not any(isinstance(m, (QLinear, QExperts)) for m in model.modules()):
         raise ValueError("load_state_dict: the model has no QLinear; quantize it (or build it with from_pretrained)")
-    state = normalize_state_dict(state_dict)
+    state, expert_weights = _from_checkpoint_names(model, normalize_state_dict(state_dict))
     missing, unexpected = _key_mismatches(model, state)
     if strict and missing:
         raise ValueError(
@@ -514,7 +535,7 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
             want = tuple(module.weight_scale.shape)
             if scale.numel() == 1 and want == (1,) or scale.numel() == want[0] and want[1:] == (1,):
                 state[name + ".weight_scale"] = scale.reshape(want)
-    assign_state(model, state)
+    assign_state(model, state, None, expert_weights)
     return model
 
 

@@ -666,3 +666,17 @@ def test_the_streaming_cli_excludes_a_fused_weight_whole(tmp_path):
             for m in experts_of(qfp8.from_pretrained(tmp_path / d))
         }
         assert kinds == {"Parameter/QExperts" if d == "a" else "QExperts/Parameter"}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_load_state_dict_takes_the_checkpoint_names_save_pretrained_writes(arch, tmp_path):
+    model, _ = calibrated_static_model(arch)
+    qfp8.save_pretrained(model, tmp_path)
+    stored = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    assert not any(k.endswith("gate_up_proj.weight") for k in stored)  # per-expert names in the file
+    other = moe(arch, seed=5)
+    quiet_quantize(other, activations="static")
+    qfp8.load_state_dict(other, stored)
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(16))
+    with torch.no_grad():
+        assert torch.equal(other(ids).logits, model(ids).logits)
