@@ -304,9 +304,10 @@ def quantize(
     Fused MoE experts (transformers' 3-D ``experts.gate_up_proj`` /
     ``experts.down_proj``) are quantized too, expert by expert, with the same
     weight and activation scheme (static scales: one per fused weight, see
-    qfp8/nn/experts.py; ``accuracy="gptq"`` leaves them float); their report entries carry ``experts``, and the
-    model then runs its experts one by one (transformers' eager experts
-    implementation). ``exclude`` patterns match their ``<module>.<param>`` names.
+    qfp8/nn/experts.py; ``accuracy="gptq"`` leaves them float); their report
+    entries carry ``experts``, and the model then runs its experts through
+    qfp8's ``"qfp8"`` experts implementation (each hit expert's QLinear).
+    ``exclude`` patterns match their ``<module>.<param>`` names.
     Returns ``(model, report)``.
     """
     if not isinstance(model, nn.Module):
@@ -454,7 +455,7 @@ def quantize(
             delattr(item.module, item.attr)  # the float Parameter goes
             setattr(item.module, item.attr, qexperts)
             use_fp8_experts(item.module)
-            entry.scheme = scheme.describe()
+            entry.scheme = scheme.describe() + (f" accuracy-{accuracy}" if accuracy else "")
             entry.kernel = qexperts.packing
             del qexperts
     if kv_cache is not None:
