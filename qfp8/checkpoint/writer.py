@@ -75,13 +75,9 @@ def _expert_scale_rows(scale: torch.Tensor, scheme, rows: slice) -> torch.Tensor
 
 
 def _plan_experts(module: QExperts, fused: str, names: CheckpointNames) -> list[PlannedTensor]:
-    """A QExperts' tensors under transformers' per-expert checkpoint names (stacked, if it has none)."""
+    """A QExperts' tensors under transformers' per-expert checkpoint names (ValueError if it has none)."""
     modules = names.expert_modules(fused, module.num_experts)
-    if modules is None:
-        prefix = names.to_checkpoint(fused) + "."
-        state: dict[str, torch.Tensor] = {}
-        module._save_to_state_dict(state, prefix, keep_vars=False)
-        return [_tensor_plan(key, value) for key, value in state.items()]
+    assert modules is not None, fused  # plan_model_tensors refuses the others first
     # An expert's parts are written one after another: its weight is unpacked once for all of them (again
     # only if the writer takes them apart), and let go with its last part.
     unpacked: dict[QLinear, torch.Tensor] = {}
@@ -125,10 +121,31 @@ def _plan_float_experts(tensor: torch.Tensor, fused: str, names: CheckpointNames
     ]
 
 
+def _check_experts_have_checkpoint_names(model: nn.Module, names: CheckpointNames) -> None:
+    """ValueError naming the FP8 experts that transformers stores as one 3-D tensor (GraniteMoE's
+    ``input_linear.weight``), not per expert: FP8 checkpoints hold 2-D weights, and neither qfp8's reader
+    nor vLLM would take them stacked."""
+    stacked = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, QExperts) and names.expert_modules(name, module.num_experts) is None
+    ]
+    if stacked:
+        patterns = sorted({"*experts." + name.rsplit(".", 1)[-1] for name in stacked})
+        raise ValueError(
+            f"save_pretrained: transformers stores the experts of {stacked[0]}"
+            + (f" (and {len(stacked) - 1} more)" if len(stacked) > 1 else "")
+            + f" as one 3-D tensor ({names.to_checkpoint(stacked[0])}), not per expert; an FP8 checkpoint holds "
+            f"2-D weights, so qfp8 cannot write them. To save this model, quantize it with "
+            f"exclude=['lm_head', {', '.join(repr(p) for p in patterns)}] (those experts stay float)"
+        )
+
+
 def plan_model_tensors(model: nn.Module) -> list[PlannedTensor]:
     """What ``model.state_dict()`` holds, as lazy entries (no weight unpacked yet), tied tensors once,
     under the names transformers writes (see qfp8/checkpoint/naming.py)."""
     names = CheckpointNames(model)
+    _check_experts_have_checkpoint_names(model, names)
     fused_float = {id(item.module._parameters[item.attr]) for item in find_fused_experts(model)}
     plan: list[PlannedTensor] = []
     seen: set[int] = set()

@@ -680,3 +680,26 @@ def test_load_state_dict_takes_the_checkpoint_names_save_pretrained_writes(arch,
     ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(16))
     with torch.no_grad():
         assert torch.equal(other(ids).logits, model(ids).logits)
+
+
+def test_experts_transformers_stores_stacked_are_refused_at_save_with_what_to_exclude(tmp_path):
+    # GraniteMoE: transformers renames the 3-D input_linear.weight to experts.gate_up_proj, with no
+    # per-expert names to write FP8 2-D weights under.
+    config = transformers.GraniteMoeConfig(**COMMON, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.GraniteMoeForCausalLM(config).eval()
+    quiet_quantize(model)
+    assert isinstance(experts_of(model)[0].gate_up_proj, QExperts)  # it runs in FP8 in memory
+    with pytest.raises(
+        ValueError,
+        match=r"input_linear\.weight\), not per expert.*exclude=\['lm_head', '\*experts\.down_proj', '\*experts\.gate_up_proj'\]",
+    ):
+        qfp8.save_pretrained(model, tmp_path / "q")
+    assert not any((tmp_path / "q").glob("*")) if (tmp_path / "q").exists() else True  # nothing written
+    torch.manual_seed(0)
+    model = transformers.GraniteMoeForCausalLM(config).eval()
+    quiet_quantize(model, exclude=["lm_head", "*experts.down_proj", "*experts.gate_up_proj"])
+    qfp8.save_pretrained(model, tmp_path / "q")
+    ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(17))
+    with torch.no_grad():
+        assert torch.equal(qfp8.from_pretrained(tmp_path / "q")(ids).logits, model(ids).logits)
