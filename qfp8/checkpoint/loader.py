@@ -251,6 +251,7 @@ def _experts_skeleton(item, scheme: QuantizationScheme) -> None:
     param = item.module._parameters[item.attr]
     count, out_features, in_features = param.shape
     qexperts = QExperts(count, out_features, in_features, scheme, param.dtype, device=torch.device("meta"))
+    qexperts.name_experts(item.name)
     if scheme.activations == "static":
         for expert in qexperts.experts:
             expert.input_scale = torch.ones(1, device="meta")  # a slot for the stored scale

@@ -133,7 +133,13 @@ class QExperts(nn.Module):
         module.experts = [
             QLinear.from_weight(w, None, scheme, f"{name}[{e}]", accuracy) for e, w in enumerate(weight.detach())
         ]
+        module.name_experts(name)
         return module
+
+    def name_experts(self, name: str) -> None:
+        """Names each expert ``f"{name}[e]"`` in its error messages (``name``: this module's)."""
+        for e, expert in enumerate(self.experts):
+            expert.label = f"{name}[{e}]"
 
     # ------------------------------------------------------------ the 3-D view
     def __getitem__(self, index) -> ExpertWeight:

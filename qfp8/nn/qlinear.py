@@ -218,6 +218,9 @@ class QLinear(nn.Module):
         # Plain attributes, not buffers (accelerate's offload moves every buffer
         # and fails on an empty slot); _apply moves them with the module.
         self.float_weight: torch.Tensor | None = None
+        # Where the layer sits, for error messages, when no module path names it (a fused MoE expert:
+        # "model.layers.0.mlp.experts.gate_up_proj[3]").
+        self.label: str | None = None
         self.hessian: torch.Tensor | None = None
         self._use_kernel(REFERENCE_KERNEL)
 
@@ -414,8 +417,9 @@ class QLinear(nn.Module):
         self.__dict__["_fast"] = None
 
     def _uncalibrated(self, *args):
+        where = f"{self.label} " if self.label else ""
         raise RuntimeError(
-            f"QLinear({self.in_features} -> {self.out_features}) has static activation scales but was never "
+            f"{where}QLinear({self.in_features} -> {self.out_features}) has static activation scales but was never "
             "calibrated: run `with qfp8.calibrate(model): model(batch)` over calibration data first "
             "(or load a checkpoint that holds input_scale)"
         )
@@ -507,7 +511,7 @@ class QLinear(nn.Module):
 
     def _input_error(self, x) -> Exception | None:
         """The ValueError / TypeError for an input the layer cannot take, or None if the input is not the cause."""
-        layer = f"QLinear({self.extra_repr()})"
+        layer = (f"{self.label} " if self.label else "") + f"QLinear({self.extra_repr()})"
         if not isinstance(x, torch.Tensor):
             return TypeError(f"{layer}: the input must be a tensor, got {type(x).__name__}")
         if not x.is_floating_point():

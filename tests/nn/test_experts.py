@@ -312,9 +312,12 @@ def test_static_experts_share_one_calibrated_input_scale_per_fused_weight(arch):
 def test_static_experts_before_calibration_say_so():
     model = moe()
     quiet_quantize(model, activations="static")
-    with pytest.raises(RuntimeError, match="never calibrated"):
+    with pytest.raises(RuntimeError, match="never calibrated"), torch.no_grad():
+        model(torch.randint(0, 128, (1, 5)))
+    module = experts_of(model)[0]  # the experts themselves name the expert
+    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj\[\d\] .*never calibrated"):
         with torch.no_grad():
-            model(torch.randint(0, 128, (1, 5)))
+            module(*routed_inputs(module))
     with pytest.raises(RuntimeError, match=r"mlp\.experts\.gate_up_proj\[0\]"):
         qfp8.freeze(model)
 
@@ -342,6 +345,7 @@ def test_static_experts_round_trip_under_transformers_names(tmp_path):
     reloaded = qfp8.from_pretrained(tmp_path)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, logits)
+    assert experts_of(reloaded)[0].gate_up_proj.experts[1].label == "model.layers.0.mlp.experts.gate_up_proj[1]"
 
 
 def test_block_rows_straddling_gate_and_up_are_refused_per_module():
