@@ -19,3 +19,15 @@ def _seed():
 
 def sqnr(reference, approximation):
     return formats.sqnr(reference, approximation)
+
+
+@pytest.fixture
+def rss_reader() -> str:
+    """Python source of ``rss(field)``, a field of /proc/self/status in bytes (``"VmHWM:"``, ``"VmRSS:"``), to
+    begin the script a memory test runs in a subprocess with."""
+    return (
+        "def rss(field):\n"
+        "    for line in open('/proc/self/status'):\n"
+        "        if line.startswith(field):\n"
+        "            return int(line.split()[1]) * 1024\n"
+    )

@@ -121,7 +121,7 @@ class ExpertWeights(NamedTuple):
     def expert(self, e: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Expert ``e``'s ``[out, in]`` weight: its parts concatenated (into ``out`` if it fits), or its
         one part's stored view."""
-        own = [self.pieces[(e, p)] for p in range(self.parts)]
+        own = self.stored(e)
         if len(own) == 1:
             return own[0]
         rows = sum(t.shape[0] for t in own)
@@ -191,7 +191,7 @@ def checkpoint_to_model(
         if suffix == "weight_scale" and per_tensor and _parts_scales_differ(found, layout[fused].parts):
             # Per-tensor scales that differ between an expert's gate and up parts (AutoFP8, llm-compressor):
             # held exactly as per-channel scales, each row taking its part's.
-            _stack_experts(fused, layout[fused].experts, found, layout[fused].parts, suffix)  # every part there
+            _check_all_parts(fused, layout[fused].experts, found, layout[fused].parts, suffix)
             out_state[f"{fused}.{suffix}"] = _scales_per_row(fused, found, pieces.get((fused, "weight"), {}))
             out_schemes[fused] = dataclasses.replace(out_schemes[fused], weight_scale="channel", block_size=())
             continue

@@ -138,8 +138,8 @@ class QExperts(nn.Module):
 
     def name_experts(self, name: str) -> None:
         """Names each expert ``f"{name}[e]"`` in its error messages (``name``: this module's)."""
-        for e, expert in enumerate(self.experts):
-            expert.label = f"{name}[{e}]"
+        for label, expert in self.named_experts(name):
+            expert.label = label
 
     # ------------------------------------------------------------ the 3-D view
     def __getitem__(self, index) -> ExpertWeight:
@@ -147,8 +147,8 @@ class QExperts(nn.Module):
             raise TypeError(
                 f"QExperts ({self.extra_repr()}) is indexed one expert at a time, got {type(index).__name__}"
                 + (f" of shape {list(index.shape)}" if isinstance(index, torch.Tensor) else "")
-                + f"; an experts implementation that gathers several experts' weights cannot run FP8 experts: "
-                f"set config._experts_implementation to {IMPLEMENTATION!r} (what qfp8.quantize sets) or 'eager'"
+                + "; an experts implementation that gathers several experts' weights cannot run FP8 experts: "
+                + USE_FP8_IMPLEMENTATION
             )
         e = int(index)
         if not -self.num_experts <= e < self.num_experts:
@@ -190,8 +190,7 @@ class QExperts(nn.Module):
                 raise
         raise NotATensorError(
             f"QExperts ({self.extra_repr()}) is not a tensor (asked for .{name}): an experts implementation that "
-            f"takes the 3-D weights whole cannot run FP8 experts; set config._experts_implementation to "
-            f"{IMPLEMENTATION!r} (what qfp8.quantize sets) or 'eager'"
+            f"takes the 3-D weights whole cannot run FP8 experts; {USE_FP8_IMPLEMENTATION}"
         )
 
     def named_experts(self, name: str) -> list[tuple[str, QLinear]]:
@@ -394,6 +393,9 @@ def experts_forward(
 
 
 IMPLEMENTATION = "qfp8"
+USE_FP8_IMPLEMENTATION = (
+    f"set config._experts_implementation to {IMPLEMENTATION!r} (what qfp8.quantize sets) or 'eager'"
+)
 
 
 def register_experts_implementation() -> bool:

@@ -416,11 +416,15 @@ class QLinear(nn.Module):
         super().__delattr__(name)
         self.__dict__["_fast"] = None
 
+    @property
+    def _placed(self) -> str:
+        """``"<label> "`` to put before the layer's description in a message ("" without a label)."""
+        return f"{self.label} " if self.label else ""
+
     def _uncalibrated(self, *args):
-        where = f"{self.label} " if self.label else ""
         raise RuntimeError(
-            f"{where}QLinear({self.in_features} -> {self.out_features}) has static activation scales but was never "
-            "calibrated: run `with qfp8.calibrate(model): model(batch)` over calibration data first "
+            f"{self._placed}QLinear({self.in_features} -> {self.out_features}) has static activation scales but "
+            "was never calibrated: run `with qfp8.calibrate(model): model(batch)` over calibration data first "
             "(or load a checkpoint that holds input_scale)"
         )
 
@@ -511,7 +515,7 @@ class QLinear(nn.Module):
 
     def _input_error(self, x) -> Exception | None:
         """The ValueError / TypeError for an input the layer cannot take, or None if the input is not the cause."""
-        layer = (f"{self.label} " if self.label else "") + f"QLinear({self.extra_repr()})"
+        layer = f"{self._placed}QLinear({self.extra_repr()})"
         if not isinstance(x, torch.Tensor):
             return TypeError(f"{layer}: the input must be a tensor, got {type(x).__name__}")
         if not x.is_floating_point():

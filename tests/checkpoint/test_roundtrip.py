@@ -227,20 +227,16 @@ def test_transformers_loads_qfp8_checkpoints(tiny, tmp_path, x):
             assert formats.sqnr(theirs, ours) > 25, name
 
 
-def test_loading_peak_rss_is_below_checkpoint_size(tiny, tmp_path):
+def test_loading_peak_rss_is_below_checkpoint_size(tiny, tmp_path, rss_reader):
     # A separate process, so that the peak (VmHWM, reset before loading) is the loader's.
     model = tiny.model(torch.bfloat16, hidden_size=512, intermediate_size=2048, num_hidden_layers=6, vocab_size=4096)
     qfp8.quantize(model)
     qfp8.save_pretrained(model, tmp_path)
     size = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
     del model
-    script = textwrap.dedent(
+    script = rss_reader + textwrap.dedent(
         f"""
         import json, torch, transformers, qfp8
-        def rss(field):
-            for line in open("/proc/self/status"):
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
         # A first load imports the modeling code (tens of MB, whatever the checkpoint);
         # the second one measures what loading itself costs.
         import gc

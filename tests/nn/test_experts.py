@@ -562,7 +562,7 @@ def test_static_w8a8_with_fp8_kv_cache_generates_the_same_tokens_after_reload(ar
     assert torch.equal(reloaded.generate(ids[:, :5], max_new_tokens=6, do_sample=False, pad_token_id=0), generated)
 
 
-def test_loading_an_moe_checkpoint_peaks_near_its_size(tmp_path):
+def test_loading_an_moe_checkpoint_peaks_near_its_size(tmp_path, rss_reader):
     # A separate process, its first load measured (the modeling code imported before). The experts are
     # read one at a time from the mapped file (no stacked copy of a fused weight), and the file's pages
     # are let go once packed.
@@ -575,19 +575,15 @@ def test_loading_an_moe_checkpoint_peaks_near_its_size(tmp_path):
     qfp8.save_pretrained(model, tmp_path)
     size = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
     del model
-    script = textwrap.dedent(
+    script = rss_reader + textwrap.dedent(
         f"""
         import json, qfp8, torch, transformers.models.mixtral.modeling_mixtral
-        def rss(field):
-            for line in open("/proc/self/status"):
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
         with torch.device("meta"):  # the modeling code imported and run once, without weights
             transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained({str(tmp_path)!r}))
         open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current RSS
         base = rss("VmRSS:")
         model = qfp8.from_pretrained({str(tmp_path)!r})
-        print(json.dumps({{"load_peak": rss("VmHWM:") - base, "file_pages": rss("RssFile:")}}))
+        print(json.dumps({{"load_peak": rss("VmHWM:") - base}}))
         """
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
