@@ -31,7 +31,7 @@ AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2",
 ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": AVX512_FLAGS,
-    "avx512bf16": AVX512_FLAGS + ["-mavx512bf16"],
+    "avx512bf16": AVX512_FLAGS + ["-mavx512bf16", "-mavx512vbmi"],
     # The AVX512 kernel's code with its 512-bit intrinsics done on two 256-bit
     # halves, so the tests run it on CPUs without AVX512 (kernel_avx512emu.cpp).
     "avx512emu": ["-mavx2", "-mfma", "-mf16c"],

@@ -218,6 +218,39 @@ def test_tiny_and_huge_scales_tiny_activations(isa, w_scale, x_scale):
 
 
 @pytest.mark.parametrize("x_dtype", list(X_IDS), ids=list(X_IDS.values()))
+@pytest.mark.parametrize("granularity", ["channel", "block-even"], ids=lambda g: f"w-{g}")
+def test_many_rows_in_uneven_register_blocks(isa, x_dtype, granularity):
+    """M = 5, 37 and 64: several register blocks of rows (the avx512bf16 kernel also counts one row per bf16 part
+    of x: 1 for bf16, 2 for fp16, 3 for float32), blocks of unequal size, K and N tails."""
+    block_size = GRANULARITIES[granularity]
+    for m in (5, 37, 64):
+        q, scale = random_weight(
+            70, 301 if not block_size else 300, torch.float8_e4m3fn, granularity.split("-")[0], block_size or None
+        )
+        x = torch.randn(m, q.shape[1]).to(x_dtype)
+        bias = torch.randn(70).to(x_dtype)
+        y = run_kernel(x, q, scale, bias, block_size)
+        ref = float64_reference(x, q, scale, bias, block_size)
+        assert rel_error(y, ref) <= TOLERANCE[x_dtype], f"{isa} M={m}"
+
+
+@pytest.mark.parametrize("m", [1, 3, 20], ids=lambda m: f"M{m}")
+def test_activations_below_bf16_dot_product_range(isa, m):
+    """Rows of magnitude 1e-30 and 1e-40 (float32 subnormal) beside ordinary rows, against the smallest weights of
+    e5m2: a product this small is flushed to zero by vdpbf16ps, so the avx512bf16 kernel must see them coming and
+    keep float32 products; each row is compared on its own scale."""
+    q, scale = random_weight(40, 130, torch.float8_e5m2, "channel")
+    q[:, ::3] = torch.tensor(1, dtype=torch.uint8).view(torch.float8_e5m2)  # 2^-16, the smallest subnormal
+    row_scales = torch.tensor([1.0, 1e-30, 1e-40] * 7)[:m]
+    x = torch.randn(m, 130) * row_scales[:, None]
+    y = run_kernel(x, q, scale, None).double()
+    ref = float64_reference(x, q, scale, None, ())
+    for row in range(m):
+        err = ((y[row] - ref[row]).abs().max() / ref[row].abs().max()).item()
+        assert err <= TOLERANCE[torch.float32], f"{isa} row {row} of scale {row_scales[row]:g}: {err:.2e}"
+
+
+@pytest.mark.parametrize("x_dtype", list(X_IDS), ids=list(X_IDS.values()))
 @pytest.mark.parametrize("m", [1, 9], ids=lambda m: f"M{m}")
 def test_output_fully_written(isa, x_dtype, m):
     q, scale = random_weight(77, 65, torch.float8_e5m2, "channel")

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 namespace qfp8 {
 
@@ -47,6 +48,7 @@ struct LinearProblem {
   void* out;               // [M][ldo]
   int out_dtype;           // OutDtype
   int64_t ldo;
+  const void* prepared;    // what the ISA's prepare step made of x (see below), or null
 };
 
 // Computes tiles [tile_begin, tile_end) of the problem. One per ISA; each is
@@ -56,6 +58,11 @@ void linear_tiles_scalar(const LinearProblem& p, int64_t tile_begin, int64_t til
 void linear_tiles_avx2(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 void linear_tiles_avx512(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 void linear_tiles_avx512bf16(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
+// An ISA may prepare the activations once per call, before the tiles are
+// split over threads: ops.cpp keeps the result alive for the call and passes
+// it as LinearProblem::prepared. Null means the ISA's tiles go without.
+using LinearPrepareFn = std::shared_ptr<const void> (*)(const LinearProblem&);
+std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p);
 // The AVX512 kernel's code on AVX2 (kernel_avx512emu.cpp): for tests only, never dispatched to.
 void linear_tiles_avx512emu(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 
@@ -118,6 +125,17 @@ inline float round_to_grid(float v, const Fp8Grid& grid) {
 using GridErrorFn = double (*)(const float* row, int64_t K, float inverse, const Fp8Grid& grid);
 double grid_error_scalar(const float* row, int64_t K, float inverse, const Fp8Grid& grid);
 double grid_error_avx2(const float* row, int64_t K, float inverse, const Fp8Grid& grid);
+
+// ------------------------------------------------------------ activation quantization
+// out[k] = round_to_grid(clamp(row[k] / scale, +-fmax)) * post, NaN where the
+// quotient is not finite (formats.quantize_activation; row may be out).
+using QuantizeRowFn = void (*)(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out);
+void quantize_row_scalar(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out);
+void quantize_row_avx2(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out);
+// The largest finite |row[k]| (0 when there is none).
+using FiniteAmaxFn = float (*)(const float* row, int64_t K);
+float finite_amax_scalar(const float* row, int64_t K);
+float finite_amax_avx2(const float* row, int64_t K);
 
 // The FP8 -> fp16 bit trick every vector kernel uses: an e4m3 byte b becomes
 // the fp16 with bits ((int16)(b << 8) >> 1) & 0xBFFF (sign kept in bit 15,

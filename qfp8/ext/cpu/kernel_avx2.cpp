@@ -593,11 +593,9 @@ void decode_attention_avx2(const DecodeAttention& a, int64_t task_begin, int64_t
 
 namespace {
 
-// The squared rounding errors of 8 values u (already clamped), added to two
-// float64 accumulators of 4. Dropped is the grid's dropped_bits (an
-// immediate shift count).
+// round_to_grid (kernel.h) of 8 finite values u (already clamped).
 template <int Dropped>
-inline void add_grid_error8(__m256 u, __m256 min_normal, __m256 magic, __m256d& acc0, __m256d& acc1) {
+inline __m256 round_to_grid8(__m256 u, __m256 min_normal, __m256 magic) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i half = _mm256_set1_epi32((1 << (Dropped - 1)) - 1);
   const __m256i keep = _mm256_set1_epi32(~((1 << Dropped) - 1));
@@ -606,9 +604,15 @@ inline void add_grid_error8(__m256 u, __m256 min_normal, __m256 magic, __m256d& 
   const __m256i bits = _mm256_castps_si256(a);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, Dropped), _mm256_set1_epi32(1));
   const __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(bits, half), odd), keep));
-  const __m256 r = _mm256_or_ps(_mm256_blendv_ps(normal, sub, _mm256_cmp_ps(a, min_normal, _CMP_LT_OQ)),
-                                _mm256_and_ps(sign, u));
-  const __m256 d = _mm256_sub_ps(r, u);
+  return _mm256_or_ps(_mm256_blendv_ps(normal, sub, _mm256_cmp_ps(a, min_normal, _CMP_LT_OQ)), _mm256_and_ps(sign, u));
+}
+
+// The squared rounding errors of 8 values u (already clamped), added to two
+// float64 accumulators of 4. Dropped is the grid's dropped_bits (an
+// immediate shift count).
+template <int Dropped>
+inline void add_grid_error8(__m256 u, __m256 min_normal, __m256 magic, __m256d& acc0, __m256d& acc1) {
+  const __m256 d = _mm256_sub_ps(round_to_grid8<Dropped>(u, min_normal, magic), u);
   const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(d));
   const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
   acc0 = _mm256_fmadd_pd(d0, d0, acc0);
@@ -647,6 +651,52 @@ double grid_error_avx2_impl(const float* row, int64_t K, float inverse, const Fp
 double grid_error_avx2(const float* row, int64_t K, float inverse, const Fp8Grid& grid) {
   return grid.dropped_bits == 21 ? grid_error_avx2_impl<21>(row, K, inverse, grid)
                                  : grid_error_avx2_impl<20>(row, K, inverse, grid);
+}
+
+namespace {
+
+template <int Dropped>
+void quantize_row_avx2_impl(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out) {
+  const __m256 s = _mm256_set1_ps(scale), p = _mm256_set1_ps(post);
+  const __m256 hi = _mm256_set1_ps(grid.fmax), lo = _mm256_set1_ps(-grid.fmax);
+  const __m256 min_normal = _mm256_set1_ps(grid.min_normal), magic = _mm256_set1_ps(grid.magic);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 largest = _mm256_set1_ps(3.40282347e38f), nan = _mm256_set1_ps(NAN);
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 q = _mm256_div_ps(_mm256_loadu_ps(row + k), s);  // a division, as the scalar code
+    const __m256 finite = _mm256_cmp_ps(_mm256_and_ps(q, abs_mask), largest, _CMP_LE_OQ);
+    const __m256 u = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+    __m256 value = _mm256_blendv_ps(nan, round_to_grid8<Dropped>(u, min_normal, magic), finite);
+    if (post != 1.0f) value = _mm256_mul_ps(value, p);
+    _mm256_storeu_ps(out + k, value);
+  }
+  if (k < K) quantize_row_scalar(row + k, K - k, scale, post, grid, out + k);
+}
+
+}  // namespace
+
+// quantize_row_scalar, 8 values at a time: the same division, clamp and
+// rounding, so the same values.
+void quantize_row_avx2(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out) {
+  if (grid.dropped_bits == 21) return quantize_row_avx2_impl<21>(row, K, scale, post, grid, out);
+  quantize_row_avx2_impl<20>(row, K, scale, post, grid, out);
+}
+
+float finite_amax_avx2(const float* row, int64_t K) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 largest = _mm256_set1_ps(3.40282347e38f);
+  __m256 amax = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(row + k), abs_mask);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(a, _mm256_cmp_ps(a, largest, _CMP_LE_OQ)));  // Inf and NaN count as 0
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float result = finite_amax_scalar(row + k, K - k);
+  for (float v : lanes) result = std::fmax(result, v);
+  return result;
 }
 
 }  // namespace qfp8

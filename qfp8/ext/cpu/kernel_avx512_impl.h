@@ -13,11 +13,8 @@
 // format factor as in the AVX2 kernel. The M > 1 panel runs 8 rows x 32
 // channels per register block (16 zmm accumulators, x broadcast from memory).
 //
-// vdpbf16ps is deliberately not used by the avx512bf16 entry: turning FP8
-// into bf16 exactly (subnormals included, no 2^-120 bias that would flush
-// products of small activations) costs as many instructions as turning it
-// into float32, the M == 1 loop is bound by that conversion, and the panel
-// path folds scales into float32 weights, which bf16 would round.
+// kernel_avx512bf16.cpp includes this body too, as its float32 fallback
+// (activations too small for vdpbf16ps, odd k blocks).
 #include <immintrin.h>
 
 #include <algorithm>

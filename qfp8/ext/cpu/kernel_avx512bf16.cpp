@@ -1,5 +1,468 @@
-// AVX512-BF16 kernel entry (compiled with the AVX512 flags plus -mavx512bf16,
-// called only when the CPU reports avx512_bf16). Same layout and arithmetic
-// as kernel_avx512_impl.h, which explains why vdpbf16ps is not used.
-#define QFP8_AVX512_ENTRY linear_tiles_avx512bf16
+// AVX512-BF16 kernel (compiled with the AVX512 flags plus -mavx512bf16
+// -mavx512vbmi; chosen only when the CPU reports both).
+//
+// FP8 -> bf16 by table: every FP8 value is exact in bf16 (3 or 2 mantissa
+// bits, exponents from 2^-16 to 2^15, all normal in bf16), so no scale or
+// power-of-two factor is folded into the weights. The low and high bytes of
+// the bf16 of each code come from two 128-entry tables indexed by the code's
+// low seven bits (vpermt2b ignores bit 7); the sign bit is or-ed into the
+// high byte. One 64-byte group of the packed layout (32 channels x a k pair)
+// becomes, by two byte interleaves, two zmm registers of bf16 pairs:
+// dword i of the first holds channel 8 * (i / 4) + i % 4, of the second the
+// same plus 4, each with its two k side by side - the operand vdpbf16ps
+// multiplies against a broadcast pair of activations.
+//
+// Activations: each row of x (float32 in the LinearProblem) is split into
+// bf16 parts x = hi + mid + lo, each the bf16 rounding of what the previous
+// parts left. bf16 inputs and FP8-quantized activations (W8A8) are exact in
+// hi alone; fp16 inputs in hi + mid; float32 needs all three (8 + 8 + 8
+// significant bits). Each part is one more "virtual row" accumulated into the
+// same output row, so the products are exact and only the float32 sums round,
+// as in the float32 kernels. vdpbf16ps treats bf16 denormals as zero and
+// flushes denormal results: a call whose activations hold nonzero magnitudes
+// below 2^-80 (where a part times the smallest FP8 weight could be flushed)
+// runs the float32 AVX512 code of kernel_avx512_impl.h instead, as does a
+// block scale whose k-block is odd (a k pair would straddle two scales).
+//
+// Scales: tensor and channel scales multiply the finished sums; block scales
+// multiply each k block's partial sums as they are added to the output's.
+//
+// M == 1 and up to 4 virtual rows: a fused loop converts each group and
+// multiplies it at once (memory-bound: two groups per step, so every row
+// has four independent accumulators; software prefetch 4 KB ahead).
+// More rows: the tile's weights are converted chunk by chunk (128 k pairs)
+// into a bf16 panel in L1, which a register-blocked loop of up to 12
+// virtual rows x 32 channels (24 zmm accumulators, a broadcast activation
+// pair per row and k pair) multiplies; the first row block prefetches the
+// next chunk's weights, a line per k pair.
+//
+// The activations are split once per call (prepare_avx512bf16, before the
+// tiles are shared out among threads), not once per thread.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#define QFP8_AVX512_ENTRY linear_tiles_avx512bf16_float32
 #include "kernel_avx512_impl.h"
+#undef QFP8_AVX512_ENTRY
+
+namespace qfp8 {
+namespace bf16 {
+namespace {
+
+constexpr int64_t kChunkPairs = 128;  // k pairs per converted panel chunk: 128 x 128 bytes = 16 KB
+constexpr int kMaxRows = 12;          // virtual rows per register block: 24 zmm accumulators
+constexpr int64_t kPrefetchPairs = 64;  // M == 1: groups ahead (4 KB) the loop asks for (best of 8 to 256 here)
+constexpr float kTinyActivation = 0x1p-80f;
+
+// bf16 bits of FP8 code i (0..127, sign clear), exact.
+uint16_t bf16_of_code(int format, int i) {
+  float v;
+  if (format == kE5M2) {
+    const int e = i >> 2, m = i & 3;
+    if (e == 31) {
+      v = m == 0 ? __builtin_inff() : __builtin_nanf("");
+    } else {
+      v = e == 0 ? std::ldexp(static_cast<float>(m), -16) : std::ldexp(1.0f + m / 4.0f, e - 15);
+    }
+  } else {
+    const int bias = format == kE4M3FNUZ ? 8 : 7;
+    const int e = i >> 3, m = i & 7;
+    if (format == kE4M3FN && i == 0x7F) {
+      v = __builtin_nanf("");
+    } else {
+      v = e == 0 ? std::ldexp(static_cast<float>(m), 1 - bias - 3) : std::ldexp(1.0f + m / 8.0f, e - bias);
+    }
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+struct Tables {
+  __m512i lo0, lo1, hi0, hi1;  // low / high bf16 bytes of codes 0-63 and 64-127
+};
+
+Tables make_tables(int format) {
+  alignas(64) uint8_t lo[128], hi[128];
+  for (int i = 0; i < 128; ++i) {
+    const uint16_t b = bf16_of_code(format, i);
+    lo[i] = static_cast<uint8_t>(b & 0xFF);
+    hi[i] = static_cast<uint8_t>(b >> 8);
+  }
+  return {_mm512_load_si512(lo), _mm512_load_si512(lo + 64), _mm512_load_si512(hi), _mm512_load_si512(hi + 64)};
+}
+
+// One 64-byte group -> two zmm of bf16 pairs (channel order in the header).
+inline void convert_group(const Tables& tb, const uint8_t* src, __m512i& w0, __m512i& w1) {
+  const __m512i bytes = _mm512_loadu_si512(src);
+  const __m512i lo = _mm512_permutex2var_epi8(tb.lo0, bytes, tb.lo1);
+  __m512i hi = _mm512_permutex2var_epi8(tb.hi0, bytes, tb.hi1);
+  hi = _mm512_ternarylogic_epi32(hi, bytes, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // hi | (bytes & 0x80)
+  w0 = _mm512_unpacklo_epi8(lo, hi);
+  w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+inline __m512 dot(__m512 acc, __m512i w, __m512i x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+}
+
+// Channel (0..31) held by dword i of the first (j = 0) or second register.
+inline int lane_channel(int j, int i) { return 8 * (i / 4) + 4 * j + i % 4; }
+
+// Block scales of the tile's channels at column k, in register lane order.
+inline void lane_block_scales(const LinearProblem& p, int64_t tile, int64_t k, __m512& s0, __m512& s1) {
+  alignas(64) float s[2][16];
+  for (int j = 0; j < 2; ++j)
+    for (int i = 0; i < 16; ++i) {
+      int64_t n = tile * kTileN + lane_channel(j, i);
+      if (n >= p.N) n = p.N - 1;
+      s[j][i] = weight_scale_at(p, n, k);
+    }
+  s0 = _mm512_load_ps(s[0]);
+  s1 = _mm512_load_ps(s[1]);
+}
+
+// Writes one row of a tile from its lane-order sums: as store_tile_row
+// (kernel.h), in the same order of operations (so the same bits), 16
+// channels at a time; mult is in channel order.
+inline void store_lanes(const LinearProblem& p, int64_t m, int64_t tile, const float* lanes, const float* mult) {
+  const __m512 v0 = _mm512_loadu_ps(lanes), v1 = _mm512_loadu_ps(lanes + 16);
+  const int64_t n0 = tile * kTileN;
+  const int64_t count = p.N - n0 < kTileN ? p.N - n0 : kTileN;
+  for (int h = 0; h < 2 && 16 * h < count; ++h) {
+    alignas(64) int32_t idx[16];
+    for (int o = 0; o < 16; ++o) {
+      const int c = 16 * h + o, i = 4 * (c / 8) + c % 4;
+      idx[o] = (c % 8) / 4 ? 16 + i : i;
+    }
+    __m512 v = _mm512_mul_ps(_mm512_permutex2var_ps(v0, _mm512_load_si512(idx), v1), _mm512_loadu_ps(mult + 16 * h));
+    const __mmask16 valid = count - 16 * h >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - 16 * h)) - 1);
+    if (p.row_scale) v = _mm512_mul_ps(v, _mm512_set1_ps(p.row_scale[m]));
+    if (p.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(valid, p.bias + n0 + 16 * h));
+    const int64_t at = m * p.ldo + n0 + 16 * h;
+    if (p.out_dtype == kOutFloat) {
+      _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, valid, v);
+      continue;
+    }
+    __m256i bits;
+    if (p.out_dtype == kOutBFloat16) {  // round to nearest even; NaN stays NaN (float_to_bf16_bits)
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+      const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+      bits = _mm512_cvtepi32_epi16(r);
+    } else {
+      bits = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, valid, bits);
+  }
+}
+
+// The activations as bf16 pairs, [virtual row][pair] (one uint32 = the bf16
+// of k = 2p and 2p + 1); virtual row v = part * M + m. Register blocks of
+// rows are as even as they can be (11 and 12 rows rather than 12 and 4).
+struct Activations {
+  int parts = 1;     // 1, 2 or 3 bf16 parts per value
+  int64_t rows = 0;  // M * parts
+  int64_t pairs = 0;
+  int64_t blocks = 1;
+  std::vector<uint32_t> data;
+  std::vector<int64_t> output_row;  // [rows]: the row of x (and of y) of virtual row v
+
+  int64_t block_start(int64_t b) const { return b * rows / blocks; }
+  int rows_in(int64_t b) const { return static_cast<int>(block_start(b + 1) - block_start(b)); }
+  const uint32_t* row(int64_t v) const { return data.data() + v * pairs; }
+};
+
+// The bf16 parts of 16 values (masked lanes read as zero): hi, mid, lo;
+// returns the values.
+// Each part is the bf16 rounding (to nearest even) of what the previous
+// ones left; a non-finite value is all in hi (its rest, NaN, is dropped).
+inline __m512 split16(const float* x, __mmask16 valid, __m512& h, __m512& md, __m512& l) {
+  const __m512 v = _mm512_maskz_loadu_ps(valid, x);
+  h = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  __m512 r = _mm512_sub_ps(v, h);
+  r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, r, _CMP_ORD_Q), r);
+  md = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(r)), 16));
+  l = _mm512_sub_ps(r, md);
+  return v;
+}
+
+inline __mmask16 lanes_below(int64_t count) {
+  return count >= 16 ? __mmask16(0xFFFF) : (count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1));
+}
+
+// Writes the first `parts` bf16 parts of x into a (laid out for that many)
+// and returns how many parts x needs (1 to 3), or 0 when a nonzero |x| is
+// below kTinyActivation.
+int split_activations(const LinearProblem& p, int parts, Activations& a) {
+  const int64_t M = p.M, Kp = p.Kp;
+  a.parts = parts;
+  a.rows = M * parts;
+  a.blocks = (a.rows + kMaxRows - 1) / kMaxRows;
+  a.pairs = Kp / 2;
+  a.data.resize(a.rows * a.pairs);
+  a.output_row.resize(a.rows);
+  for (int64_t v = 0; v < a.rows; ++v) a.output_row[v] = v % M;
+  const __m512 tiny = _mm512_set1_ps(kTinyActivation);
+  const __m512 zero = _mm512_setzero_ps();
+  __mmask16 need_mid = 0, need_lo = 0, too_small = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* x = p.x + m * p.ldx;
+    for (int64_t k = 0; k < Kp; k += 32) {  // 32 values (16 pairs); Kp is even, so a tail ends on a pair
+      __m512 lo[3], hi[3];
+      const __m512 v0 = split16(x + k, lanes_below(Kp - k), lo[0], lo[1], lo[2]);
+      const __m512 v1 = split16(x + k + 16, lanes_below(Kp - k - 16), hi[0], hi[1], hi[2]);
+      for (const __m512 v : {v0, v1}) {
+        const __m512 av = _mm512_abs_ps(v);
+        too_small |= _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, zero, _CMP_GT_OQ), av, tiny, _CMP_LT_OQ);
+      }
+      need_mid |= _mm512_cmp_ps_mask(lo[1], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[1], zero, _CMP_NEQ_UQ);
+      need_lo |= _mm512_cmp_ps_mask(lo[2], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[2], zero, _CMP_NEQ_UQ);
+      const __mmask16 pairs_valid = lanes_below((Kp - k) / 2);
+      for (int part = 0; part < parts; ++part) {
+        // Each part is exact in bf16, so the conversion only packs it.
+        const __m512i bf = (__m512i)_mm512_cvtne2ps_pbh(hi[part], lo[part]);
+        _mm512_mask_storeu_epi32(a.data.data() + (part * M + m) * a.pairs + k / 2, pairs_valid, bf);
+      }
+    }
+  }
+  if (too_small) return 0;
+  return need_lo ? 3 : (need_mid ? 2 : 1);
+}
+
+// M == 1: sums (lane order) of one tile, streamed.
+template <int Parts, bool Block>
+void tile_single_row(const LinearProblem& p, const Tables& tb, int64_t t, const uint32_t* x, float* lanes) {
+  const int64_t pairs = p.Kp / 2;
+  const uint8_t* g = p.w + t * pairs * kGroupBytes;
+  const int64_t segment = Block ? p.bk / 2 : pairs;
+  __m512 total0 = _mm512_setzero_ps(), total1 = _mm512_setzero_ps();
+  for (int64_t s0 = 0; s0 < pairs; s0 += segment) {
+    const int64_t s1 = std::min(pairs, s0 + segment);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    int64_t i = s0;
+    for (; i + 2 <= s1; i += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs) * kGroupBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs + 1) * kGroupBytes), _MM_HINT_T0);
+      __m512i w00, w01, w10, w11;
+      convert_group(tb, g + i * kGroupBytes, w00, w01);
+      convert_group(tb, g + (i + 1) * kGroupBytes, w10, w11);
+      for (int part = 0; part < Parts; ++part) {
+        const __m512i x0 = _mm512_set1_epi32(static_cast<int>(x[part * pairs + i]));
+        const __m512i x1 = _mm512_set1_epi32(static_cast<int>(x[part * pairs + i + 1]));
+        a0 = dot(a0, w00, x0);
+        a1 = dot(a1, w01, x0);
+        b0 = dot(b0, w10, x1);
+        b1 = dot(b1, w11, x1);
+      }
+    }
+    if (i < s1) {
+      __m512i w0, w1;
+      convert_group(tb, g + i * kGroupBytes, w0, w1);
+      for (int part = 0; part < Parts; ++part) {
+        const __m512i x0 = _mm512_set1_epi32(static_cast<int>(x[part * pairs + i]));
+        a0 = dot(a0, w0, x0);
+        a1 = dot(a1, w1, x0);
+      }
+    }
+    a0 = _mm512_add_ps(a0, b0);
+    a1 = _mm512_add_ps(a1, b1);
+    if (Block) {
+      __m512 sc0, sc1;
+      lane_block_scales(p, t, 2 * s0, sc0, sc1);
+      total0 = _mm512_fmadd_ps(a0, sc0, total0);
+      total1 = _mm512_fmadd_ps(a1, sc1, total1);
+    } else {
+      total0 = _mm512_add_ps(total0, a0);
+      total1 = _mm512_add_ps(total1, a1);
+    }
+  }
+  _mm512_storeu_ps(lanes, total0);
+  _mm512_storeu_ps(lanes + 16, total1);
+}
+
+// A few (Rows <= 4) virtual rows, fused like the M == 1 loop: each group
+// is converted and multiplied at once, two groups per step so that every
+// row has four independent accumulators. Adds (times the block scales) into
+// the rows' lane-order accumulators.
+template <int Rows, bool Block>
+void tile_few_rows(const LinearProblem& p, const Tables& tb, int64_t t, const uint32_t* x, int64_t ld,
+                   float* const* acc_rows) {
+  const int64_t pairs = p.Kp / 2;
+  const uint8_t* g = p.w + t * pairs * kGroupBytes;
+  const int64_t segment = Block ? p.bk / 2 : pairs;
+  for (int64_t s0 = 0; s0 < pairs; s0 += segment) {
+    const int64_t s1 = std::min(pairs, s0 + segment);
+    __m512 acc[Rows][4];
+    for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
+    int64_t i = s0;
+    for (; i + 2 <= s1; i += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs) * kGroupBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs + 1) * kGroupBytes), _MM_HINT_T0);
+      __m512i w00, w01, w10, w11;
+      convert_group(tb, g + i * kGroupBytes, w00, w01);
+      convert_group(tb, g + (i + 1) * kGroupBytes, w10, w11);
+      for (int r = 0; r < Rows; ++r) {
+        const __m512i x0 = _mm512_set1_epi32(static_cast<int>(x[r * ld + i]));
+        const __m512i x1 = _mm512_set1_epi32(static_cast<int>(x[r * ld + i + 1]));
+        acc[r][0] = dot(acc[r][0], w00, x0);
+        acc[r][1] = dot(acc[r][1], w01, x0);
+        acc[r][2] = dot(acc[r][2], w10, x1);
+        acc[r][3] = dot(acc[r][3], w11, x1);
+      }
+    }
+    if (i < s1) {
+      __m512i w0, w1;
+      convert_group(tb, g + i * kGroupBytes, w0, w1);
+      for (int r = 0; r < Rows; ++r) {
+        const __m512i x0 = _mm512_set1_epi32(static_cast<int>(x[r * ld + i]));
+        acc[r][0] = dot(acc[r][0], w0, x0);
+        acc[r][1] = dot(acc[r][1], w1, x0);
+      }
+    }
+    __m512 scale[2];
+    if (Block) lane_block_scales(p, t, 2 * s0, scale[0], scale[1]);
+    for (int r = 0; r < Rows; ++r) {  // in row order (two virtual rows may share an output row)
+      for (int j = 0; j < 2; ++j) {
+        const __m512 sum = _mm512_add_ps(acc[r][j], acc[r][2 + j]);
+        const __m512 before = _mm512_loadu_ps(acc_rows[r] + 16 * j);
+        _mm512_storeu_ps(acc_rows[r] + 16 * j, Block ? _mm512_fmadd_ps(sum, scale[j], before) : _mm512_add_ps(before, sum));
+      }
+    }
+  }
+}
+
+using FewRowsFn = void (*)(const LinearProblem&, const Tables&, int64_t, const uint32_t*, int64_t, float* const*);
+constexpr int kFewRows = 4;
+constexpr FewRowsFn kFewRowsFns[2][kFewRows + 1] = {
+    {nullptr, tile_few_rows<1, false>, tile_few_rows<2, false>, tile_few_rows<3, false>, tile_few_rows<4, false>},
+    {nullptr, tile_few_rows<1, true>, tile_few_rows<2, true>, tile_few_rows<3, true>, tile_few_rows<4, true>}};
+
+// Rows x a converted panel of `count` pairs; adds (times the block scales,
+// when given) into the rows' lane-order accumulators.
+template <int Rows>
+void panel_rows(const __m512i* panel, int64_t count, const uint32_t* x, int64_t ld, float* const* acc_rows,
+                const __m512* scale, const uint8_t* prefetch) {
+  __m512 acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGroupBytes), _MM_HINT_T0);
+    const __m512i w0 = _mm512_load_si512(panel + 2 * i);
+    const __m512i w1 = _mm512_load_si512(panel + 2 * i + 1);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * ld + i]));
+      acc[r][0] = dot(acc[r][0], w0, xv);
+      acc[r][1] = dot(acc[r][1], w1, xv);
+    }
+  }
+  // In row order: two virtual rows of one output row add one after the other.
+  for (int r = 0; r < Rows; ++r) {
+    float* out = acc_rows[r];
+    for (int j = 0; j < 2; ++j) {
+      const __m512 before = _mm512_loadu_ps(out + 16 * j);
+      _mm512_storeu_ps(out + 16 * j, scale ? _mm512_fmadd_ps(acc[r][j], scale[j], before)
+                                           : _mm512_add_ps(before, acc[r][j]));
+    }
+  }
+}
+
+using PanelRowsFn = void (*)(const __m512i*, int64_t, const uint32_t*, int64_t, float* const*, const __m512*,
+                             const uint8_t*);
+constexpr PanelRowsFn kPanelRows[kMaxRows + 1] = {
+    nullptr,        panel_rows<1>, panel_rows<2>, panel_rows<3>,  panel_rows<4>,  panel_rows<5>, panel_rows<6>,
+    panel_rows<7>,  panel_rows<8>, panel_rows<9>, panel_rows<10>, panel_rows<11>, panel_rows<12>};
+
+template <bool Block>
+void tile_many_rows(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t t, __m512i* panel,
+                    float* acc) {
+  const int64_t pairs = a.pairs;
+  const uint8_t* g = p.w + t * pairs * kGroupBytes;
+  std::fill(acc, acc + p.M * kTileN, 0.0f);
+  if (a.rows <= kFewRows) {
+    float* acc_rows[kFewRows];
+    for (int r = 0; r < a.rows; ++r) acc_rows[r] = acc + a.output_row[r] * kTileN;
+    return kFewRowsFns[Block][a.rows](p, tb, t, a.row(0), pairs, acc_rows);
+  }
+  const int64_t block_pairs = Block ? p.bk / 2 : pairs;
+  __m512 scale[2];
+  for (int64_t c0 = 0; c0 < pairs;) {
+    const int64_t block_end = std::min(pairs, (c0 / block_pairs + 1) * block_pairs);
+    const int64_t count = std::min(kChunkPairs, block_end - c0);
+    for (int64_t i = 0; i < count; ++i) convert_group(tb, g + (c0 + i) * kGroupBytes, panel[2 * i], panel[2 * i + 1]);
+    if (Block) lane_block_scales(p, t, 2 * c0, scale[0], scale[1]);
+    // The first row block asks for the next chunk's weights (or the next
+    // tile's), a line per k pair, so that they stream in while this chunk is
+    // multiplied; the conversion's loads would otherwise wait on memory.
+    const uint8_t* next = g + (c0 + count) * kGroupBytes;
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const int64_t v0 = a.block_start(b);
+      const int rows = a.rows_in(b);
+      float* acc_rows[kMaxRows];
+      for (int r = 0; r < rows; ++r) acc_rows[r] = acc + a.output_row[v0 + r] * kTileN;
+      kPanelRows[rows](panel, count, a.row(v0) + c0, pairs, acc_rows, Block ? scale : nullptr, b == 0 ? next : nullptr);
+    }
+    c0 += count;
+  }
+}
+
+template <int Parts>
+void single_row_tiles(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t begin, int64_t end) {
+  alignas(64) float lanes[kTileN];
+  float mult[kTileN];
+  const bool block = p.scale_kind == kScaleBlock;
+  for (int64_t t = begin; t < end; ++t) {
+    fill_channel_mult(p, t, block, mult);
+    if (block) {
+      tile_single_row<Parts, true>(p, tb, t, a.data.data(), lanes);
+    } else {
+      tile_single_row<Parts, false>(p, tb, t, a.data.data(), lanes);
+    }
+    store_lanes(p, 0, t, lanes, mult);
+  }
+}
+
+}  // namespace
+}  // namespace bf16
+
+std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p) {
+  if (p.scale_kind == kScaleBlock && p.bk % 2 != 0) return nullptr;  // the float32 code
+  auto a = std::make_shared<bf16::Activations>();
+  const int parts = bf16::split_activations(p, 1, *a);  // bf16 inputs and FP8 activations: one pass
+  if (parts == 0) return nullptr;
+  if (parts > 1) bf16::split_activations(p, parts, *a);
+  return a;
+}
+
+void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, int64_t tile_end) {
+  if (!problem.prepared) return linear_tiles_avx512bf16_float32(problem, tile_begin, tile_end);
+  const bf16::Activations& a = *static_cast<const bf16::Activations*>(problem.prepared);
+  LinearProblem p = problem;
+  p.format_factor = 1.0f;  // the tables give the FP8 values themselves
+  const bf16::Tables tb = bf16::make_tables(p.format);
+  if (p.M == 1) {
+    if (a.parts == 1) return bf16::single_row_tiles<1>(p, tb, a, tile_begin, tile_end);
+    if (a.parts == 2) return bf16::single_row_tiles<2>(p, tb, a, tile_begin, tile_end);
+    return bf16::single_row_tiles<3>(p, tb, a, tile_begin, tile_end);
+  }
+  alignas(64) __m512i panel[2 * bf16::kChunkPairs];  // 16 KB
+  std::vector<float> lanes(p.M * kTileN);
+  float mult[kTileN];
+  const bool block = p.scale_kind == kScaleBlock;
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    fill_channel_mult(p, t, block, mult);
+    if (block) {
+      bf16::tile_many_rows<true>(p, tb, a, t, panel, lanes.data());
+    } else {
+      bf16::tile_many_rows<false>(p, tb, a, t, panel, lanes.data());
+    }
+    for (int64_t m = 0; m < p.M; ++m) bf16::store_lanes(p, m, t, lanes.data() + m * kTileN, mult);
+  }
+}
+
+}  // namespace qfp8

@@ -116,4 +116,21 @@ double grid_error_scalar(const float* row, int64_t K, float inverse, const Fp8Gr
   return error;
 }
 
+void quantize_row_scalar(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out) {
+  for (int64_t k = 0; k < K; ++k) {
+    const float q = row[k] / scale;
+    const float value = std::isfinite(q) ? round_to_grid(std::fmin(std::fmax(q, -grid.fmax), grid.fmax), grid) : NAN;
+    out[k] = post == 1.0f ? value : value * post;
+  }
+}
+
+float finite_amax_scalar(const float* row, int64_t K) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float a = std::fabs(row[k]);
+    if (std::isfinite(a) && a > amax) amax = a;
+  }
+  return amax;
+}
+
 }  // namespace qfp8

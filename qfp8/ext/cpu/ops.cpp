@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
@@ -55,6 +56,7 @@ struct IsaEntry {
   const char* name;
   LinearTilesFn fn;  // null when not compiled into this build
   bool (*cpu_has)();
+  LinearPrepareFn prepare = nullptr;  // once per call, before the threads (kernel.h)
 };
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -64,7 +66,10 @@ bool has_avx512() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
-bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+// The bf16 kernel also looks up bytes with vpermt2b (AVX512-VBMI).
+bool has_avx512bf16() {
+  return has_avx512() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
+}
 #else
 bool has_avx2() { return false; }
 bool has_avx512() { return false; }
@@ -76,7 +81,7 @@ bool has_scalar() { return true; }
 // QFP8_HAVE_<ISA> only if its translation unit compiled) and the CPU has it.
 const IsaEntry kIsas[] = {
 #ifdef QFP8_HAVE_AVX512BF16
-    {"avx512bf16", linear_tiles_avx512bf16, has_avx512bf16},
+    {"avx512bf16", linear_tiles_avx512bf16, has_avx512bf16, prepare_avx512bf16},
 #else
     {"avx512bf16", nullptr, has_avx512bf16},
 #endif
@@ -163,6 +168,20 @@ DecodeAttentionFn decode_attention_for_current_isa() {
   return decode_attention_scalar;
 }
 
+QuantizeRowFn quantize_row_for_current_isa() {
+#ifdef QFP8_HAVE_AVX2
+  if (current_isa().fn != linear_tiles_scalar) return quantize_row_avx2;
+#endif
+  return quantize_row_scalar;
+}
+
+FiniteAmaxFn finite_amax_for_current_isa() {
+#ifdef QFP8_HAVE_AVX2
+  if (current_isa().fn != linear_tiles_scalar) return finite_amax_avx2;
+#endif
+  return finite_amax_scalar;
+}
+
 GridErrorFn grid_error_for_current_isa() {
 #ifdef QFP8_HAVE_AVX2
   if (current_isa().fn != linear_tiles_scalar) return grid_error_avx2;
@@ -193,19 +212,6 @@ inline float load_float(const T* data, int64_t i) {
   return static_cast<float>(data[i]);
 }
 
-// Rounds v (already clamped to +-fmax, or NaN) to the FP8 dtype with torch's
-// own conversion (round to nearest even) and returns the exact value.
-inline float round_to_fp8(float v, at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat8_e4m3fn:
-      return static_cast<float>(c10::Float8_e4m3fn(v));
-    case at::kFloat8_e4m3fnuz:
-      return static_cast<float>(c10::Float8_e4m3fnuz(v));
-    default:
-      return static_cast<float>(c10::Float8_e5m2(v));
-  }
-}
-
 enum Activation { kNone, kToken, kTensor, kGroup, kStatic, kTokenMse };
 constexpr int64_t kGroupSize = 128;  // 1 x 128 activation groups (formats.ACTIVATION_GROUP_SIZE)
 
@@ -218,31 +224,6 @@ Activation parse_activation(c10::string_view activation) {
   if (activation == "token-mse") return kTokenMse;
   TORCH_CHECK(false, "qfp8::scaled_linear_cpu: unknown activation mode '", std::string(activation),
               "'; expected none, token, tensor, group, static or token-mse");
-}
-
-// amax over the finite |x| of [begin, end) of one row (formats.activation_amax).
-template <typename T>
-float finite_amax(const T* x, int64_t begin, int64_t end) {
-  float amax = 0.0f;
-  for (int64_t k = begin; k < end; ++k) {
-    const float a = std::fabs(load_float(x, k));
-    if (std::isfinite(a) && a > amax) amax = a;
-  }
-  return amax;
-}
-
-// formats.quantize_activation for one segment: q = clamp(x / scale) rounded
-// to FP8 (NaN for a non-finite quotient), stored as its exact float value,
-// times `post` (1 when the scale is applied to the output row instead).
-template <typename T>
-void quantize_segment(const T* x, int64_t begin, int64_t end, float scale, float fmax, at::ScalarType dtype,
-                      float post, float* out) {
-  for (int64_t k = begin; k < end; ++k) {
-    float q = load_float(x, k) / scale;
-    q = std::isfinite(q) ? std::min(std::max(q, -fmax), fmax) : NAN;
-    const float value = round_to_fp8(q, dtype);
-    out[k] = post == 1.0f ? value : value * post;
-  }
 }
 
 inline float scale_from_amax(float amax, float fmax) { return std::max(amax, 1e-12f) / fmax; }
@@ -286,10 +267,24 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
   float qmax = 448.0f;
   if (qdtype == at::kFloat8_e4m3fnuz) qmax = 240.0f;
   if (qdtype == at::kFloat8_e5m2) qmax = 57344.0f;
+  const QuantizeRowFn quantize_row = quantize_row_for_current_isa();
+  const FiniteAmaxFn finite_amax = finite_amax_for_current_isa();
+  const Fp8Grid grid = fp8_grid(qdtype, qmax);
+  // Row m of x as float32: x itself for float32, else converted into `into`.
+  auto row_as_float = [&](int64_t m, float* into) -> const float* {
+    const T* xr = x + m * K;
+    if constexpr (std::is_same_v<T, float>) {
+      return xr;
+    } else {
+      for (int64_t k = 0; k < K; ++k) into[k] = load_float(xr, k);
+      return into;
+    }
+  };
   float tensor_scale = 1.0f;
   if (mode == kTensor) {
+    std::vector<float> row(K);
     float amax = 0.0f;
-    for (int64_t m = 0; m < M; ++m) amax = std::max(amax, finite_amax(x + m * K, 0, K));
+    for (int64_t m = 0; m < M; ++m) amax = std::max(amax, finite_amax(row_as_float(m, row.data()), K));
     tensor_scale = scale_from_amax(amax, qmax);
   } else if (mode == kStatic) {
     tensor_scale = input_scale[0];
@@ -297,41 +292,41 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
   at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const T* xr = x + m * K;
       float* out = buffer + m * Kp;
       for (int64_t k = K; k < Kp; ++k) out[k] = 0.0f;
+      const float* xr = row_as_float(m, out);  // converted in place: each step reads a value before it writes it
       switch (mode) {
         case kNone:
-          for (int64_t k = 0; k < K; ++k) out[k] = load_float(xr, k);
+          if (xr != out) std::memcpy(out, xr, K * sizeof(float));
           break;
         case kToken: {
-          const float scale = scale_from_amax(finite_amax(xr, 0, K), qmax);
-          quantize_segment(xr, 0, K, scale, qmax, qdtype, 1.0f, out);
+          const float scale = scale_from_amax(finite_amax(xr, K), qmax);
+          quantize_row(xr, K, scale, 1.0f, grid, out);
           row_scale[m] = scale;
           break;
         }
         case kTokenMse: {
-          for (int64_t k = 0; k < K; ++k) {
-            const float v = load_float(xr, k);
-            out[k] = std::isfinite(v) ? v : 0.0f;
-          }
-          const float scale = token_mse_scale(out, K, finite_amax(out, 0, K), qmax, qdtype);
-          quantize_segment(xr, 0, K, scale, qmax, qdtype, 1.0f, out);
+          // The search sees the non-finite values as zero; the quantization
+          // (from x again) turns them into NaN.
+          std::vector<float> finite(xr, xr + K);
+          for (float& v : finite) v = std::isfinite(v) ? v : 0.0f;
+          const float scale = token_mse_scale(finite.data(), K, finite_amax(finite.data(), K), qmax, qdtype);
+          quantize_row(xr, K, scale, 1.0f, grid, out);
           row_scale[m] = scale;
           break;
         }
         case kTensor:
         case kStatic:
-          quantize_segment(xr, 0, K, tensor_scale, qmax, qdtype, 1.0f, out);
+          quantize_row(xr, K, tensor_scale, 1.0f, grid, out);
           row_scale[m] = tensor_scale;
           break;
         case kGroup:
           // The group scale varies along K, so it goes into the values
           // (q * scale in float32, as formats.dequantize_activation does).
           for (int64_t g = 0; g < K; g += kGroupSize) {
-            const int64_t end_k = std::min(K, g + kGroupSize);
-            const float scale = scale_from_amax(finite_amax(xr, g, end_k), qmax);
-            quantize_segment(xr, g, end_k, scale, qmax, qdtype, scale, out);
+            const int64_t n = std::min(K, g + kGroupSize) - g;
+            const float scale = scale_from_amax(finite_amax(xr + g, n), qmax);
+            quantize_row(xr + g, n, scale, scale, grid, out + g);
           }
           break;
       }
@@ -448,7 +443,10 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   p.out_dtype = xdtype == at::kFloat ? kOutFloat : (xdtype == at::kBFloat16 ? kOutBFloat16 : kOutHalf);
   p.ldo = N;
 
-  const LinearTilesFn fn = current_isa().fn;
+  const IsaEntry& isa = current_isa();
+  const LinearTilesFn fn = isa.fn;
+  const std::shared_ptr<const void> prepared = isa.prepare ? isa.prepare(p) : nullptr;
+  p.prepared = prepared.get();
   // At least ~256K multiply-adds per chunk so that small layers run inline.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, M * Kp * kTileN));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) { fn(p, begin, end); });
