@@ -49,6 +49,10 @@ struct LinearProblem {
   int out_dtype;           // OutDtype
   int64_t ldo;
   const void* prepared;    // what the ISA's prepare step made of x (see below), or null
+  // Only while the prepare step runs, for an ISA that has one: bf16 x as
+  // given, [M][K] (x is then null). A prepare step that declines it (returns
+  // null) is called again with x in float32.
+  const uint16_t* x_bf16;
 };
 
 // Computes tiles [tile_begin, tile_end) of the problem. One per ISA; each is

@@ -30,8 +30,9 @@
 // M == 1 and up to 4 virtual rows: a fused loop converts each group and
 // multiplies it at once (memory-bound: two groups per step, so every row
 // has four independent accumulators; software prefetch 4 KB ahead).
-// More rows: the tile's weights are converted chunk by chunk (128 k pairs)
-// into a bf16 panel in L1, which a register-blocked loop of up to 12
+// More rows: the tile's weights are converted chunk by chunk (512 k pairs)
+// into a bf16 panel (64 KB, in L2; 128-pair chunks in L1 measured 4 %
+// slower at M = 256), which a register-blocked loop of up to 12
 // virtual rows x 32 channels (24 zmm accumulators, a broadcast activation
 // pair per row and k pair) multiplies; the first row block prefetches the
 // next chunk's weights, a line per k pair.
@@ -53,7 +54,7 @@ namespace qfp8 {
 namespace bf16 {
 namespace {
 
-constexpr int64_t kChunkPairs = 128;  // k pairs per converted panel chunk: 128 x 128 bytes = 16 KB
+constexpr int64_t kChunkPairs = 512;  // k pairs per converted panel chunk: 512 x 128 bytes = 64 KB (in L2)
 constexpr int kMaxRows = 12;          // virtual rows per register block: 24 zmm accumulators
 constexpr int64_t kPrefetchPairs = 64;  // M == 1: groups ahead (4 KB) the loop asks for (best of 8 to 256 here)
 constexpr float kTinyActivation = 0x1p-80f;
@@ -171,12 +172,22 @@ struct Activations {
   int64_t rows = 0;  // M * parts
   int64_t pairs = 0;
   int64_t blocks = 1;
-  std::vector<uint32_t> data;
+  std::vector<uint32_t> data;       // the pairs, unless x (bf16, even K) is used as it is
+  const uint32_t* base = nullptr;   // data.data() or x
   std::vector<int64_t> output_row;  // [rows]: the row of x (and of y) of virtual row v
 
   int64_t block_start(int64_t b) const { return b * rows / blocks; }
   int rows_in(int64_t b) const { return static_cast<int>(block_start(b + 1) - block_start(b)); }
-  const uint32_t* row(int64_t v) const { return data.data() + v * pairs; }
+  const uint32_t* row(int64_t v) const { return base + v * pairs; }
+
+  void shape(int parts_, int64_t M, int64_t Kp) {
+    parts = parts_;
+    rows = M * parts;
+    blocks = (rows + kMaxRows - 1) / kMaxRows;
+    pairs = Kp / 2;
+    output_row.resize(rows);
+    for (int64_t v = 0; v < rows; ++v) output_row[v] = v % M;
+  }
 };
 
 // The bf16 parts of 16 values (masked lanes read as zero): hi, mid, lo;
@@ -202,13 +213,9 @@ inline __mmask16 lanes_below(int64_t count) {
 // below kTinyActivation.
 int split_activations(const LinearProblem& p, int parts, Activations& a) {
   const int64_t M = p.M, Kp = p.Kp;
-  a.parts = parts;
-  a.rows = M * parts;
-  a.blocks = (a.rows + kMaxRows - 1) / kMaxRows;
-  a.pairs = Kp / 2;
+  a.shape(parts, M, Kp);
   a.data.resize(a.rows * a.pairs);
-  a.output_row.resize(a.rows);
-  for (int64_t v = 0; v < a.rows; ++v) a.output_row[v] = v % M;
+  a.base = a.data.data();
   const __m512 tiny = _mm512_set1_ps(kTinyActivation);
   const __m512 zero = _mm512_setzero_ps();
   __mmask16 need_mid = 0, need_lo = 0, too_small = 0;
@@ -234,6 +241,33 @@ int split_activations(const LinearProblem& p, int parts, Activations& a) {
   }
   if (too_small) return 0;
   return need_lo ? 3 : (need_mid ? 2 : 1);
+}
+
+// bf16 x ([M][K], K even or odd) as the one part: used as it is when K is
+// even and x is 4-byte aligned, else copied with a zero pad. False when a
+// nonzero |x| is below kTinyActivation.
+bool take_bf16_activations(const LinearProblem& p, Activations& a) {
+  const int64_t M = p.M, K = p.K, Kp = p.Kp;
+  const uint16_t* x = p.x_bf16;
+  const int64_t total = M * K;
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+  const __m512i tiny = _mm512_set1_epi16(static_cast<short>((127 - 80) << 7));  // bf16 bits of 2^-80
+  __mmask32 too_small = 0;
+  for (int64_t i = 0; i < total; i += 32) {
+    const __mmask32 valid = total - i >= 32 ? __mmask32(0xFFFFFFFF) : __mmask32((1ull << (total - i)) - 1);
+    const __m512i v = _mm512_and_si512(_mm512_maskz_loadu_epi16(valid, x + i), magnitude);
+    too_small |= _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(v, v), v, tiny);
+  }
+  if (too_small) return false;
+  a.shape(1, M, Kp);
+  if (K == Kp && reinterpret_cast<uintptr_t>(x) % 4 == 0) {
+    a.base = reinterpret_cast<const uint32_t*>(x);
+    return true;
+  }
+  a.data.assign(a.rows * a.pairs, 0);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(a.data.data() + m * a.pairs, x + m * K, K * sizeof(uint16_t));
+  a.base = a.data.data();
+  return true;
 }
 
 // M == 1: sums (lane order) of one tile, streamed.
@@ -419,9 +453,9 @@ void single_row_tiles(const LinearProblem& p, const Tables& tb, const Activation
   for (int64_t t = begin; t < end; ++t) {
     fill_channel_mult(p, t, block, mult);
     if (block) {
-      tile_single_row<Parts, true>(p, tb, t, a.data.data(), lanes);
+      tile_single_row<Parts, true>(p, tb, t, a.base, lanes);
     } else {
-      tile_single_row<Parts, false>(p, tb, t, a.data.data(), lanes);
+      tile_single_row<Parts, false>(p, tb, t, a.base, lanes);
     }
     store_lanes(p, 0, t, lanes, mult);
   }
@@ -433,6 +467,7 @@ void single_row_tiles(const LinearProblem& p, const Tables& tb, const Activation
 std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p) {
   if (p.scale_kind == kScaleBlock && p.bk % 2 != 0) return nullptr;  // the float32 code
   auto a = std::make_shared<bf16::Activations>();
+  if (p.x_bf16) return bf16::take_bf16_activations(p, *a) ? a : nullptr;
   const int parts = bf16::split_activations(p, 1, *a);  // bf16 inputs and FP8 activations: one pass
   if (parts == 0) return nullptr;
   if (parts > 1) bf16::split_activations(p, parts, *a);
@@ -450,7 +485,7 @@ void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, i
     if (a.parts == 2) return bf16::single_row_tiles<2>(p, tb, a, tile_begin, tile_end);
     return bf16::single_row_tiles<3>(p, tb, a, tile_begin, tile_end);
   }
-  alignas(64) __m512i panel[2 * bf16::kChunkPairs];  // 16 KB
+  alignas(64) __m512i panel[2 * bf16::kChunkPairs];  // 64 KB
   std::vector<float> lanes(p.M * kTileN);
   float mult[kTileN];
   const bool block = p.scale_kind == kScaleBlock;

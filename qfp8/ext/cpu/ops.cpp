@@ -410,9 +410,37 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   }
   if (M == 0) return;
 
-  // Activations: used in place when they already are float32 with an even K.
+  p.M = M;
+  p.K = K;
+  p.Kp = Kp;
+  p.ldx = Kp;
+  p.w = static_cast<const uint8_t*>(packed.data_ptr());
+  p.N = N;
+  p.format = format;
+  p.format_factor = format_factor(format);
+  p.scale = weight_scale.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.out_dtype = xdtype == at::kFloat ? kOutFloat : (xdtype == at::kBFloat16 ? kOutBFloat16 : kOutHalf);
+  p.ldo = N;
+
+  const IsaEntry& isa = current_isa();
+  std::shared_ptr<const void> prepared;
+  // An ISA that prepares its own activations may take bf16 x as it is
+  // (kernel.h); when it declines, x goes the float32 way below (and the ISA
+  // is not asked again: it would decline for the same reason).
+  bool declined = false;
+  if (isa.prepare && mode == kNone && xdtype == at::kBFloat16) {
+    p.x_bf16 = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+    prepared = isa.prepare(p);
+    p.x_bf16 = nullptr;
+    declined = !prepared;
+  }
+  // Activations as float32 [M][Kp]: x itself when it already is float32
+  // with an even K, else converted (or quantized) into a buffer.
   std::vector<float> x_buffer, row_scale;
-  if (mode == kNone && xdtype == at::kFloat && K == Kp) {
+  if (prepared) {
+    p.x = nullptr;
+  } else if (mode == kNone && xdtype == at::kFloat && K == Kp) {
     p.x = x.data_ptr<float>();
   } else {
     x_buffer.resize(M * Kp);
@@ -430,23 +458,9 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
     p.x = x_buffer.data();
     if (mode != kNone && mode != kGroup) p.row_scale = row_scale.data();
   }
-  p.M = M;
-  p.K = K;
-  p.Kp = Kp;
-  p.ldx = Kp;
-  p.w = static_cast<const uint8_t*>(packed.data_ptr());
-  p.N = N;
-  p.format = format;
-  p.format_factor = format_factor(format);
-  p.scale = weight_scale.data_ptr<float>();
-  p.out = out.data_ptr();
-  p.out_dtype = xdtype == at::kFloat ? kOutFloat : (xdtype == at::kBFloat16 ? kOutBFloat16 : kOutHalf);
-  p.ldo = N;
-
-  const IsaEntry& isa = current_isa();
-  const LinearTilesFn fn = isa.fn;
-  const std::shared_ptr<const void> prepared = isa.prepare ? isa.prepare(p) : nullptr;
+  if (isa.prepare && !prepared && !declined) prepared = isa.prepare(p);
   p.prepared = prepared.get();
+  const LinearTilesFn fn = isa.fn;
   // At least ~256K multiply-adds per chunk so that small layers run inline.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, M * Kp * kTileN));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) { fn(p, begin, end); });
