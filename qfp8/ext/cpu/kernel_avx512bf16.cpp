@@ -29,7 +29,8 @@
 //
 // M == 1 and up to 4 virtual rows: a fused loop converts each group and
 // multiplies it at once (memory-bound: two groups per step, so every row
-// has four independent accumulators; software prefetch 4 KB ahead).
+// has four independent accumulators; software prefetch 4 KB ahead, 8 KB
+// for more than one row).
 // More rows: the tile's weights are converted chunk by chunk (512 k pairs)
 // into a bf16 panel (64 KB, in L2; 128-pair chunks in L1 measured 4 %
 // slower at M = 256), which a register-blocked loop of up to 12
@@ -57,6 +58,7 @@ namespace {
 constexpr int64_t kChunkPairs = 512;  // k pairs per converted panel chunk: 512 x 128 bytes = 64 KB (in L2)
 constexpr int kMaxRows = 12;          // virtual rows per register block: 24 zmm accumulators
 constexpr int64_t kPrefetchPairs = 64;  // M == 1: groups ahead (4 KB) the loop asks for (best of 8 to 256 here)
+constexpr int64_t kFewRowsPrefetchPairs = 128;  // 2 to 4 rows: 8 KB ahead (3-7 % faster at M = 4 than 4 KB)
 constexpr float kTinyActivation = 0x1p-80f;
 
 // bf16 bits of FP8 code i (0..127, sign clear), exact.
@@ -337,8 +339,8 @@ void tile_few_rows(const LinearProblem& p, const Tables& tb, int64_t t, const ui
     for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
     int64_t i = s0;
     for (; i + 2 <= s1; i += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs) * kGroupBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs + 1) * kGroupBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kFewRowsPrefetchPairs) * kGroupBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kFewRowsPrefetchPairs + 1) * kGroupBytes), _MM_HINT_T0);
       __m512i w00, w01, w10, w11;
       convert_group(tb, g + i * kGroupBytes, w00, w01);
       convert_group(tb, g + (i + 1) * kGroupBytes, w10, w11);
