@@ -56,6 +56,7 @@ namespace bf16 {
 namespace {
 
 constexpr int64_t kChunkPairs = 512;  // k pairs per converted panel chunk: 512 x 128 bytes = 64 KB (in L2)
+constexpr int64_t kGroupTiles = 4;    // tiles that go through K together (M > 4)
 constexpr int kMaxRows = 12;          // virtual rows per register block: 24 zmm accumulators
 constexpr int64_t kPrefetchPairs = 64;  // M == 1: groups ahead (4 KB) the loop asks for (best of 8 to 256 here)
 constexpr int64_t kFewRowsPrefetchPairs = 128;  // 2 to 4 rows: 8 KB ahead (3-7 % faster at M = 4 than 4 KB)
@@ -414,34 +415,49 @@ constexpr PanelRowsFn kPanelRows[kMaxRows + 1] = {
     nullptr,        panel_rows<1>, panel_rows<2>, panel_rows<3>,  panel_rows<4>,  panel_rows<5>, panel_rows<6>,
     panel_rows<7>,  panel_rows<8>, panel_rows<9>, panel_rows<10>, panel_rows<11>, panel_rows<12>};
 
+// Tiles [t0, t0 + tiles) (tiles <= kGroupTiles) with more than one row:
+// acc holds each tile's [M][32] lane-order sums. The tiles of a group go
+// through K together, so a row block's activations (12 rows x a chunk, in
+// L1) serve every tile of the group before the next block's are read.
 template <bool Block>
-void tile_many_rows(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t t, __m512i* panel,
-                    float* acc) {
+void tile_group_many_rows(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t t0, int64_t tiles,
+                          __m512i* panels, float* acc) {
   const int64_t pairs = a.pairs;
-  const uint8_t* g = p.w + t * pairs * kGroupBytes;
-  std::fill(acc, acc + p.M * kTileN, 0.0f);
+  const int64_t tile_bytes = pairs * kGroupBytes;
+  std::fill(acc, acc + tiles * p.M * kTileN, 0.0f);
   if (a.rows <= kFewRows) {
-    float* acc_rows[kFewRows];
-    for (int r = 0; r < a.rows; ++r) acc_rows[r] = acc + a.output_row[r] * kTileN;
-    return kFewRowsFns[Block][a.rows](p, tb, t, a.row(0), pairs, acc_rows);
+    for (int64_t j = 0; j < tiles; ++j) {
+      float* acc_rows[kFewRows];
+      for (int r = 0; r < a.rows; ++r) acc_rows[r] = acc + (j * p.M + a.output_row[r]) * kTileN;
+      kFewRowsFns[Block][a.rows](p, tb, t0 + j, a.row(0), pairs, acc_rows);
+    }
+    return;
   }
+  const uint8_t* w = p.w + t0 * tile_bytes;
   const int64_t block_pairs = Block ? p.bk / 2 : pairs;
-  __m512 scale[2];
+  __m512 scale[kGroupTiles][2];
   for (int64_t c0 = 0; c0 < pairs;) {
     const int64_t block_end = std::min(pairs, (c0 / block_pairs + 1) * block_pairs);
     const int64_t count = std::min(kChunkPairs, block_end - c0);
-    for (int64_t i = 0; i < count; ++i) convert_group(tb, g + (c0 + i) * kGroupBytes, panel[2 * i], panel[2 * i + 1]);
-    if (Block) lane_block_scales(p, t, 2 * c0, scale[0], scale[1]);
-    // The first row block asks for the next chunk's weights (or the next
-    // tile's), a line per k pair, so that they stream in while this chunk is
-    // multiplied; the conversion's loads would otherwise wait on memory.
-    const uint8_t* next = g + (c0 + count) * kGroupBytes;
+    for (int64_t j = 0; j < tiles; ++j) {
+      __m512i* panel = panels + j * 2 * kChunkPairs;
+      const uint8_t* g = w + j * tile_bytes + c0 * kGroupBytes;
+      for (int64_t i = 0; i < count; ++i) convert_group(tb, g + i * kGroupBytes, panel[2 * i], panel[2 * i + 1]);
+      if (Block) lane_block_scales(p, t0 + j, 2 * c0, scale[j][0], scale[j][1]);
+    }
     for (int64_t b = 0; b < a.blocks; ++b) {
       const int64_t v0 = a.block_start(b);
       const int rows = a.rows_in(b);
-      float* acc_rows[kMaxRows];
-      for (int r = 0; r < rows; ++r) acc_rows[r] = acc + a.output_row[v0 + r] * kTileN;
-      kPanelRows[rows](panel, count, a.row(v0) + c0, pairs, acc_rows, Block ? scale : nullptr, b == 0 ? next : nullptr);
+      for (int64_t j = 0; j < tiles; ++j) {
+        float* acc_rows[kMaxRows];
+        for (int r = 0; r < rows; ++r) acc_rows[r] = acc + (j * p.M + a.output_row[v0 + r]) * kTileN;
+        // The first row block asks for each tile's next chunk (after the
+        // last, the first of the tile a group further), a line per k pair,
+        // so that it streams in while this one is multiplied.
+        const uint8_t* next = w + j * tile_bytes + (c0 + count < pairs ? (c0 + count) * kGroupBytes : tiles * tile_bytes);
+        kPanelRows[rows](panels + j * 2 * kChunkPairs, count, a.row(v0) + c0, pairs, acc_rows,
+                         Block ? scale[j] : nullptr, b == 0 ? next : nullptr);
+      }
     }
     c0 += count;
   }
@@ -487,18 +503,25 @@ void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, i
     if (a.parts == 2) return bf16::single_row_tiles<2>(p, tb, a, tile_begin, tile_end);
     return bf16::single_row_tiles<3>(p, tb, a, tile_begin, tile_end);
   }
-  alignas(64) __m512i panel[2 * bf16::kChunkPairs];  // 64 KB
-  std::vector<float> lanes(p.M * kTileN);
+  // Grouped tiles only when the activations outgrow L2 (measured: no gain
+  // below, and 16-row calls slowed by a few %).
+  const bool large = a.rows * a.pairs * 4 > (int64_t(512) << 10);
+  const int64_t group = std::min<int64_t>(large ? bf16::kGroupTiles : 1, tile_end - tile_begin);
+  std::unique_ptr<__m512i[]> panels(new __m512i[group * 2 * bf16::kChunkPairs]);  // 64 KB a tile
+  std::vector<float> lanes(group * p.M * kTileN);
   float mult[kTileN];
   const bool block = p.scale_kind == kScaleBlock;
-  for (int64_t t = tile_begin; t < tile_end; ++t) {
-    fill_channel_mult(p, t, block, mult);
+  for (int64_t t0 = tile_begin; t0 < tile_end; t0 += group) {
+    const int64_t tiles = std::min(group, tile_end - t0);
     if (block) {
-      bf16::tile_many_rows<true>(p, tb, a, t, panel, lanes.data());
+      bf16::tile_group_many_rows<true>(p, tb, a, t0, tiles, panels.get(), lanes.data());
     } else {
-      bf16::tile_many_rows<false>(p, tb, a, t, panel, lanes.data());
+      bf16::tile_group_many_rows<false>(p, tb, a, t0, tiles, panels.get(), lanes.data());
     }
-    for (int64_t m = 0; m < p.M; ++m) bf16::store_lanes(p, m, t, lanes.data() + m * kTileN, mult);
+    for (int64_t j = 0; j < tiles; ++j) {
+      fill_channel_mult(p, t0 + j, block, mult);
+      for (int64_t m = 0; m < p.M; ++m) bf16::store_lanes(p, m, t0 + j, lanes.data() + (j * p.M + m) * kTileN, mult);
+    }
   }
 }
 
