@@ -27,8 +27,8 @@
 // Scales: tensor and channel scales multiply the finished sums; block scales
 // multiply each k block's partial sums as they are added to the output's.
 //
-// M == 1 and up to 4 virtual rows: a fused loop converts each group and
-// multiplies it at once (memory-bound: two groups per step, so every row
+// Up to 4 virtual rows (M == 1 included): a fused loop converts each group
+// and multiplies it at once (memory-bound: two groups per step, so every row
 // has four independent accumulators; software prefetch 4 KB ahead, 8 KB
 // for more than one row).
 // More rows: the tile's weights are converted chunk by chunk (512 k pairs)
@@ -58,7 +58,7 @@ namespace {
 constexpr int64_t kChunkPairs = 512;  // k pairs per converted panel chunk: 512 x 128 bytes = 64 KB (in L2)
 constexpr int64_t kGroupTiles = 4;    // tiles that go through K together (M > 4)
 constexpr int kMaxRows = 12;          // virtual rows per register block: 24 zmm accumulators
-constexpr int64_t kPrefetchPairs = 64;  // M == 1: groups ahead (4 KB) the loop asks for (best of 8 to 256 here)
+constexpr int64_t kPrefetchPairs = 64;          // one row: groups ahead (4 KB) the loop asks for (best of 8 to 256)
 constexpr int64_t kFewRowsPrefetchPairs = 128;  // 2 to 4 rows: 8 KB ahead (3-7 % faster at M = 4 than 4 KB)
 constexpr float kTinyActivation = 0x1p-80f;
 
@@ -273,75 +273,25 @@ bool take_bf16_activations(const LinearProblem& p, Activations& a) {
   return true;
 }
 
-// M == 1: sums (lane order) of one tile, streamed.
-template <int Parts, bool Block>
-void tile_single_row(const LinearProblem& p, const Tables& tb, int64_t t, const uint32_t* x, float* lanes) {
-  const int64_t pairs = p.Kp / 2;
-  const uint8_t* g = p.w + t * pairs * kGroupBytes;
-  const int64_t segment = Block ? p.bk / 2 : pairs;
-  __m512 total0 = _mm512_setzero_ps(), total1 = _mm512_setzero_ps();
-  for (int64_t s0 = 0; s0 < pairs; s0 += segment) {
-    const int64_t s1 = std::min(pairs, s0 + segment);
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
-    int64_t i = s0;
-    for (; i + 2 <= s1; i += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs) * kGroupBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs + 1) * kGroupBytes), _MM_HINT_T0);
-      __m512i w00, w01, w10, w11;
-      convert_group(tb, g + i * kGroupBytes, w00, w01);
-      convert_group(tb, g + (i + 1) * kGroupBytes, w10, w11);
-      for (int part = 0; part < Parts; ++part) {
-        const __m512i x0 = _mm512_set1_epi32(static_cast<int>(x[part * pairs + i]));
-        const __m512i x1 = _mm512_set1_epi32(static_cast<int>(x[part * pairs + i + 1]));
-        a0 = dot(a0, w00, x0);
-        a1 = dot(a1, w01, x0);
-        b0 = dot(b0, w10, x1);
-        b1 = dot(b1, w11, x1);
-      }
-    }
-    if (i < s1) {
-      __m512i w0, w1;
-      convert_group(tb, g + i * kGroupBytes, w0, w1);
-      for (int part = 0; part < Parts; ++part) {
-        const __m512i x0 = _mm512_set1_epi32(static_cast<int>(x[part * pairs + i]));
-        a0 = dot(a0, w0, x0);
-        a1 = dot(a1, w1, x0);
-      }
-    }
-    a0 = _mm512_add_ps(a0, b0);
-    a1 = _mm512_add_ps(a1, b1);
-    if (Block) {
-      __m512 sc0, sc1;
-      lane_block_scales(p, t, 2 * s0, sc0, sc1);
-      total0 = _mm512_fmadd_ps(a0, sc0, total0);
-      total1 = _mm512_fmadd_ps(a1, sc1, total1);
-    } else {
-      total0 = _mm512_add_ps(total0, a0);
-      total1 = _mm512_add_ps(total1, a1);
-    }
-  }
-  _mm512_storeu_ps(lanes, total0);
-  _mm512_storeu_ps(lanes + 16, total1);
-}
-
-// A few (Rows <= 4) virtual rows, fused like the M == 1 loop: each group
-// is converted and multiplied at once, two groups per step so that every
-// row has four independent accumulators. Adds (times the block scales) into
-// the rows' lane-order accumulators.
+// One to four virtual rows (M == 1 included): each group is converted and
+// multiplied at once, two groups per step so that every row has four
+// independent accumulators; the loop waits on memory, and asks for it ahead.
+// Adds (times the block scales) into the rows' lane-order accumulators.
 template <int Rows, bool Block>
 void tile_few_rows(const LinearProblem& p, const Tables& tb, int64_t t, const uint32_t* x, int64_t ld,
                    float* const* acc_rows) {
   const int64_t pairs = p.Kp / 2;
   const uint8_t* g = p.w + t * pairs * kGroupBytes;
   const int64_t segment = Block ? p.bk / 2 : pairs;
+  constexpr int64_t ahead = Rows == 1 ? kPrefetchPairs : kFewRowsPrefetchPairs;
   for (int64_t s0 = 0; s0 < pairs; s0 += segment) {
     const int64_t s1 = std::min(pairs, s0 + segment);
     __m512 acc[Rows][4];
     for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
     int64_t i = s0;
     for (; i + 2 <= s1; i += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kFewRowsPrefetchPairs) * kGroupBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kFewRowsPrefetchPairs + 1) * kGroupBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + ahead) * kGroupBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + ahead + 1) * kGroupBytes), _MM_HINT_T0);
       __m512i w00, w01, w10, w11;
       convert_group(tb, g + i * kGroupBytes, w00, w01);
       convert_group(tb, g + (i + 1) * kGroupBytes, w10, w11);
@@ -415,12 +365,11 @@ constexpr PanelRowsFn kPanelRows[kMaxRows + 1] = {
     nullptr,        panel_rows<1>, panel_rows<2>, panel_rows<3>,  panel_rows<4>,  panel_rows<5>, panel_rows<6>,
     panel_rows<7>,  panel_rows<8>, panel_rows<9>, panel_rows<10>, panel_rows<11>, panel_rows<12>};
 
-// Tiles [t0, t0 + tiles) (tiles <= kGroupTiles) with more than one row:
-// acc holds each tile's [M][32] lane-order sums. The tiles of a group go
+// Tiles [t0, t0 + tiles) (tiles <= kGroupTiles): acc holds each tile's [M][32] lane-order sums. The tiles of a group go
 // through K together, so a row block's activations (12 rows x a chunk, in
 // L1) serve every tile of the group before the next block's are read.
 template <bool Block>
-void tile_group_many_rows(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t t0, int64_t tiles,
+void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t t0, int64_t tiles,
                           __m512i* panels, float* acc) {
   const int64_t pairs = a.pairs;
   const int64_t tile_bytes = pairs * kGroupBytes;
@@ -463,22 +412,6 @@ void tile_group_many_rows(const LinearProblem& p, const Tables& tb, const Activa
   }
 }
 
-template <int Parts>
-void single_row_tiles(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t begin, int64_t end) {
-  alignas(64) float lanes[kTileN];
-  float mult[kTileN];
-  const bool block = p.scale_kind == kScaleBlock;
-  for (int64_t t = begin; t < end; ++t) {
-    fill_channel_mult(p, t, block, mult);
-    if (block) {
-      tile_single_row<Parts, true>(p, tb, t, a.base, lanes);
-    } else {
-      tile_single_row<Parts, false>(p, tb, t, a.base, lanes);
-    }
-    store_lanes(p, 0, t, lanes, mult);
-  }
-}
-
 }  // namespace
 }  // namespace bf16
 
@@ -498,25 +431,22 @@ void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, i
   LinearProblem p = problem;
   p.format_factor = 1.0f;  // the tables give the FP8 values themselves
   const bf16::Tables tb = bf16::make_tables(p.format);
-  if (p.M == 1) {
-    if (a.parts == 1) return bf16::single_row_tiles<1>(p, tb, a, tile_begin, tile_end);
-    if (a.parts == 2) return bf16::single_row_tiles<2>(p, tb, a, tile_begin, tile_end);
-    return bf16::single_row_tiles<3>(p, tb, a, tile_begin, tile_end);
-  }
   // Grouped tiles only when the activations outgrow L2 (measured: no gain
   // below, and 16-row calls slowed by a few %).
   const bool large = a.rows * a.pairs * 4 > (int64_t(512) << 10);
   const int64_t group = std::min<int64_t>(large ? bf16::kGroupTiles : 1, tile_end - tile_begin);
-  std::unique_ptr<__m512i[]> panels(new __m512i[group * 2 * bf16::kChunkPairs]);  // 64 KB a tile
+  // Panels: 64 KB a tile, 64-byte aligned, for more than kFewRows rows.
+  std::vector<float> panel_storage(a.rows > bf16::kFewRows ? group * 2 * bf16::kChunkPairs * 16 + 16 : 0);
+  __m512i* panels = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) & ~uintptr_t(63));
   std::vector<float> lanes(group * p.M * kTileN);
   float mult[kTileN];
   const bool block = p.scale_kind == kScaleBlock;
   for (int64_t t0 = tile_begin; t0 < tile_end; t0 += group) {
     const int64_t tiles = std::min(group, tile_end - t0);
     if (block) {
-      bf16::tile_group_many_rows<true>(p, tb, a, t0, tiles, panels.get(), lanes.data());
+      bf16::tile_group<true>(p, tb, a, t0, tiles, panels, lanes.data());
     } else {
-      bf16::tile_group_many_rows<false>(p, tb, a, t0, tiles, panels.get(), lanes.data());
+      bf16::tile_group<false>(p, tb, a, t0, tiles, panels, lanes.data());
     }
     for (int64_t j = 0; j < tiles; ++j) {
       fill_channel_mult(p, t0 + j, block, mult);
