@@ -137,13 +137,12 @@ inline void store_lanes(const LinearProblem& p, int64_t m, int64_t tile, const f
   const __m512 v0 = _mm512_loadu_ps(lanes), v1 = _mm512_loadu_ps(lanes + 16);
   const int64_t n0 = tile * kTileN;
   const int64_t count = p.N - n0 < kTileN ? p.N - n0 : kTileN;
+  // Channel c of the tile is dword 4 * (c / 8) + c % 4 of register (c % 8) / 4
+  // (lane_channel's inverse); index 16 + i picks dword i of the second.
+  const __m512i order[2] = {_mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0),
+                            _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8)};
   for (int h = 0; h < 2 && 16 * h < count; ++h) {
-    alignas(64) int32_t idx[16];
-    for (int o = 0; o < 16; ++o) {
-      const int c = 16 * h + o, i = 4 * (c / 8) + c % 4;
-      idx[o] = (c % 8) / 4 ? 16 + i : i;
-    }
-    __m512 v = _mm512_mul_ps(_mm512_permutex2var_ps(v0, _mm512_load_si512(idx), v1), _mm512_loadu_ps(mult + 16 * h));
+    __m512 v = _mm512_mul_ps(_mm512_permutex2var_ps(v0, order[h], v1), _mm512_loadu_ps(mult + 16 * h));
     const __mmask16 valid = count - 16 * h >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - 16 * h)) - 1);
     if (p.row_scale) v = _mm512_mul_ps(v, _mm512_set1_ps(p.row_scale[m]));
     if (p.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(valid, p.bias + n0 + 16 * h));
