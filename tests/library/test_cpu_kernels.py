@@ -250,6 +250,20 @@ def test_activations_below_bf16_dot_product_range(isa, m):
         assert err <= TOLERANCE[torch.float32], f"{isa} row {row} of scale {row_scales[row]:g}: {err:.2e}"
 
 
+@pytest.mark.parametrize("m", [1, 3, 20], ids=lambda m: f"M{m}")
+def test_float32_activations_beyond_bf16_range(isa, m):
+    """A float32 activation of 3.4e38 (finite, but above bf16's largest value, so it rounds to Inf in bf16) times a
+    weight of 2^-9: the product is finite, and so must the output be."""
+    q, scale = random_weight(40, 130, torch.float8_e4m3fn, "channel")
+    q[:, 5] = torch.tensor(1, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 2^-9, the smallest subnormal
+    x = torch.randn(m, 130)
+    x[:, 5] = 3.4e38
+    y = run_kernel(x, q, scale, None)
+    ref = float64_reference(x, q, scale, None, ())
+    assert torch.isfinite(y).all(), f"{isa} M={m}"
+    assert rel_error(y, ref) <= TOLERANCE[torch.float32], f"{isa} M={m}"
+
+
 @pytest.mark.parametrize("x_dtype", list(X_IDS), ids=list(X_IDS.values()))
 @pytest.mark.parametrize("m", [1, 9], ids=lambda m: f"M{m}")
 def test_output_fully_written(isa, x_dtype, m):

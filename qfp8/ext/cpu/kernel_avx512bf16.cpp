@@ -22,6 +22,7 @@
 // flushes denormal results: a call whose activations hold nonzero magnitudes
 // below 2^-80 (where a part times the smallest FP8 weight could be flushed)
 // runs the float32 AVX512 code of kernel_avx512_impl.h instead, as does a
+// float32 x beyond bf16's range (finite, rounding to Inf in bf16) and a
 // block scale whose k-block is odd (a k pair would straddle two scales).
 //
 // Scales: tensor and channel scales multiply the finished sums; block scales
@@ -212,7 +213,7 @@ inline __mmask16 lanes_below(int64_t count) {
 
 // Writes the first `parts` bf16 parts of x into a (laid out for that many)
 // and returns how many parts x needs (1 to 3), or 0 when a nonzero |x| is
-// below kTinyActivation.
+// below kTinyActivation or a finite |x| above bf16's largest value.
 int split_activations(const LinearProblem& p, int parts, Activations& a) {
   const int64_t M = p.M, Kp = p.Kp;
   a.shape(parts, M, Kp);
@@ -220,7 +221,8 @@ int split_activations(const LinearProblem& p, int parts, Activations& a) {
   a.base = a.data.data();
   const __m512 tiny = _mm512_set1_ps(kTinyActivation);
   const __m512 zero = _mm512_setzero_ps();
-  __mmask16 need_mid = 0, need_lo = 0, too_small = 0;
+  const __m512 largest = _mm512_set1_ps(0x1.fffffep127f), bf16_max = _mm512_set1_ps(0x1.fep127f);
+  __mmask16 need_mid = 0, need_lo = 0, out_of_range = 0;
   for (int64_t m = 0; m < M; ++m) {
     const float* x = p.x + m * p.ldx;
     for (int64_t k = 0; k < Kp; k += 32) {  // 32 values (16 pairs); Kp is even, so a tail ends on a pair
@@ -229,7 +231,9 @@ int split_activations(const LinearProblem& p, int parts, Activations& a) {
       const __m512 v1 = split16(x + k + 16, lanes_below(Kp - k - 16), hi[0], hi[1], hi[2]);
       for (const __m512 v : {v0, v1}) {
         const __m512 av = _mm512_abs_ps(v);
-        too_small |= _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, zero, _CMP_GT_OQ), av, tiny, _CMP_LT_OQ);
+        out_of_range |= _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, zero, _CMP_GT_OQ), av, tiny, _CMP_LT_OQ);
+        // Finite but above bf16's largest value: hi would round to Inf.
+        out_of_range |= _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, largest, _CMP_LE_OQ), av, bf16_max, _CMP_GT_OQ);
       }
       need_mid |= _mm512_cmp_ps_mask(lo[1], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[1], zero, _CMP_NEQ_UQ);
       need_lo |= _mm512_cmp_ps_mask(lo[2], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[2], zero, _CMP_NEQ_UQ);
@@ -241,7 +245,7 @@ int split_activations(const LinearProblem& p, int parts, Activations& a) {
       }
     }
   }
-  if (too_small) return 0;
+  if (out_of_range) return 0;
   return need_lo ? 3 : (need_mid ? 2 : 1);
 }
 
