@@ -14,7 +14,7 @@
 // channels per register block (16 zmm accumulators, x broadcast from memory).
 //
 // kernel_avx512bf16.cpp includes this body too, as its float32 fallback
-// (activations too small for vdpbf16ps, odd k blocks).
+// (activations too small for vdpbf16ps or beyond bf16's range, odd k blocks).
 #include <immintrin.h>
 
 #include <algorithm>

@@ -37,7 +37,9 @@
 // slower at M = 256), which a register-blocked loop of up to 12
 // virtual rows x 32 channels (24 zmm accumulators, a broadcast activation
 // pair per row and k pair) multiplies; the first row block prefetches the
-// next chunk's weights, a line per k pair.
+// next chunk's weights, a line per k pair. When the activations outgrow L2,
+// four tiles go through K together, so each row block's activations are read
+// once for the four.
 //
 // The activations are split once per call (prepare_avx512bf16, before the
 // tiles are shared out among threads), not once per thread.
@@ -368,12 +370,14 @@ constexpr PanelRowsFn kPanelRows[kMaxRows + 1] = {
     nullptr,        panel_rows<1>, panel_rows<2>, panel_rows<3>,  panel_rows<4>,  panel_rows<5>, panel_rows<6>,
     panel_rows<7>,  panel_rows<8>, panel_rows<9>, panel_rows<10>, panel_rows<11>, panel_rows<12>};
 
-// Tiles [t0, t0 + tiles) (tiles <= kGroupTiles): acc holds each tile's [M][32] lane-order sums. The tiles of a group go
-// through K together, so a row block's activations (12 rows x a chunk, in
-// L1) serve every tile of the group before the next block's are read.
+// Tiles [t0, t0 + tiles) (tiles <= kGroupTiles): acc holds each tile's
+// [M][32] lane-order sums. Up to kFewRows rows, tile by tile through the
+// fused loop. More, the tiles of a group go through K together, so a row
+// block's activations (12 rows x a chunk, in L1) serve every tile of the
+// group before the next block's are read.
 template <bool Block>
 void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t t0, int64_t tiles,
-                          __m512i* panels, float* acc) {
+                __m512i* panels, float* acc) {
   const int64_t pairs = a.pairs;
   const int64_t tile_bytes = pairs * kGroupBytes;
   std::fill(acc, acc + tiles * p.M * kTileN, 0.0f);

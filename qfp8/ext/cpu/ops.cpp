@@ -162,33 +162,19 @@ std::string get_isa() { return current_isa().name; }
 
 }  // namespace
 
-DecodeAttentionFn decode_attention_for_current_isa() {
+// The helpers beside the linear kernels (decode attention, the token-mse
+// grid search, activation quantization) come in a scalar and an AVX2
+// version; every vector ISA uses the AVX2 one, the scalar ISA the scalar.
 #ifdef QFP8_HAVE_AVX2
-  if (current_isa().fn != linear_tiles_scalar) return decode_attention_avx2;
+#define QFP8_HELPER_FOR_CURRENT_ISA(name) (current_isa().fn != linear_tiles_scalar ? name##_avx2 : name##_scalar)
+#else
+#define QFP8_HELPER_FOR_CURRENT_ISA(name) (name##_scalar)
 #endif
-  return decode_attention_scalar;
-}
 
-QuantizeRowFn quantize_row_for_current_isa() {
-#ifdef QFP8_HAVE_AVX2
-  if (current_isa().fn != linear_tiles_scalar) return quantize_row_avx2;
-#endif
-  return quantize_row_scalar;
-}
-
-FiniteAmaxFn finite_amax_for_current_isa() {
-#ifdef QFP8_HAVE_AVX2
-  if (current_isa().fn != linear_tiles_scalar) return finite_amax_avx2;
-#endif
-  return finite_amax_scalar;
-}
-
-GridErrorFn grid_error_for_current_isa() {
-#ifdef QFP8_HAVE_AVX2
-  if (current_isa().fn != linear_tiles_scalar) return grid_error_avx2;
-#endif
-  return grid_error_scalar;
-}
+DecodeAttentionFn decode_attention_for_current_isa() { return QFP8_HELPER_FOR_CURRENT_ISA(decode_attention); }
+QuantizeRowFn quantize_row_for_current_isa() { return QFP8_HELPER_FOR_CURRENT_ISA(quantize_row); }
+FiniteAmaxFn finite_amax_for_current_isa() { return QFP8_HELPER_FOR_CURRENT_ISA(finite_amax); }
+GridErrorFn grid_error_for_current_isa() { return QFP8_HELPER_FOR_CURRENT_ISA(grid_error); }
 
 int fp8_format(c10::ScalarType dtype, const char* what) {
   switch (dtype) {
@@ -292,6 +278,7 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
   }
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
   at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> finite(mode == kTokenMse ? K : 0);  // token-mse: a row with its non-finite values zeroed
     for (int64_t m = begin; m < end; ++m) {
       float* out = buffer + m * Kp;
       for (int64_t k = K; k < Kp; ++k) out[k] = 0.0f;
@@ -309,8 +296,7 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
         case kTokenMse: {
           // The search sees the non-finite values as zero; the quantization
           // (from x again) turns them into NaN.
-          std::vector<float> finite(xr, xr + K);
-          for (float& v : finite) v = std::isfinite(v) ? v : 0.0f;
+          for (int64_t k = 0; k < K; ++k) finite[k] = std::isfinite(xr[k]) ? xr[k] : 0.0f;
           const float scale = token_mse_scale(finite.data(), K, finite_amax(finite.data(), K), qmax, qdtype);
           quantize_row(xr, K, scale, 1.0f, grid, out);
           row_scale[m] = scale;
