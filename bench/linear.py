@@ -7,6 +7,12 @@ ratios against torch's bf16 ``F.linear`` and, at M = 1, the weight-read rate
 next to a plain streaming read (``torch.sum``) of as many bytes held in the
 same kind of memory as the packed weights.
 
+The qfp8 columns call the kernel through the entry ``QLinear`` calls in eager
+mode (``LinearKernel.eager_op``), as a quantized model does. At M = 1 the row
+also gives the same W8A16 call through ``torch.ops.qfp8.scaled_linear_cpu``
+(the dispatcher's boxed call, what a compiled graph makes): cold, after the
+other methods have run, that path measured ~55 us more per call here.
+
     python bench/linear.py                 # full table, 1 thread
     python bench/linear.py --threads 2
     python bench/linear.py --quick --json out.json   # CI: < 60 s
@@ -27,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from qfp8 import formats
-from qfp8.library import cpu
+from qfp8.library import cpu, routing
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (576, 576), (576, 1536), (1536, 576)]  # (K, N)
 QUICK_SHAPES = [(4096, 4096), (576, 1536)]
@@ -59,10 +65,14 @@ def make_methods(k: int, n: int):
         wf = w.clone()
         return lambda x: F.linear(x.float(), wf)
 
-    def qfp8_fn(activation):
+    def qfp8_fn(activation, op=None):
+        # By default the entry QLinear's eager fast path calls (the one a
+        # quantized model runs); ``op`` = torch.ops.qfp8.scaled_linear_cpu
+        # is the dispatcher's boxed call, what a compiled graph makes.
+        op = op or routing.kernel_by_name(f"cpu-{cpu.cpu_kernel_isa()}").eager_op
+
         def build():
             packed = torch.ops.qfp8.pack_weight_cpu(q)
-            op = torch.ops.qfp8.scaled_linear_cpu
             return lambda x: op(x, packed, scale, None, None, n, k, [], activation, act)
 
         return build
@@ -101,8 +111,11 @@ def make_methods(k: int, n: int):
         t.copy_(torch.randint(0, 100, t.shape, dtype=torch.int64))
         return lambda x: t.sum()
 
-    stream = rotate(stream_fn, n * k)
-    return methods, stream
+    m1_extras = {
+        "stream_read": rotate(stream_fn, n * k),
+        "w8a16_torch_ops": rotate(qfp8_fn("none", torch.ops.qfp8.scaled_linear_cpu), n * k),
+    }
+    return methods, m1_extras
 
 
 def measure(calls: dict, x, rounds: int, budget_s: float, burst: int = 1) -> dict:
@@ -167,12 +180,12 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     for k, n in shapes:
-        methods, stream = make_methods(k, n)
+        methods, m1_extras = make_methods(k, n)
         for m in ms:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             calls = dict(methods)
             if m == 1:
-                calls["stream_read"] = stream
+                calls.update(m1_extras)
             for fns in calls.values():  # warm-up: first call of each (allocations, lazy init)
                 fns[0](x)
             # Small layers: bursts of calls (see measure); large ones: one call
@@ -187,10 +200,12 @@ def main(argv=None) -> int:
             if m == 1:
                 row["w8a16_gbps"] = n * k / med["qfp8_w8a16"] / 1e9
                 row["stream_gbps"] = n * k / med["stream_read"] / 1e9
-                extra = f"{row['w8a16_gbps']:6.1f} / {row['stream_gbps']:5.1f}"
+                row["w8a16_torch_ops_ms"] = med["w8a16_torch_ops"] * 1e3
+                row["w8a16_torch_ops_vs_bf16"] = med["bf16"] / med["w8a16_torch_ops"]
+                extra = f"{row['w8a16_gbps']:6.1f} / {row['stream_gbps']:5.1f} (torch.ops {row['w8a16_torch_ops_vs_bf16']:.2f}x)"
             print(f"{k:>6} {n:>6} {m:>4} | " + " | ".join(cells) + " | " + extra, flush=True)
             rows.append(row)
-        del methods, stream
+        del methods, m1_extras
     print("cells: median ms and speed-up over torch bf16 F.linear (higher is better)")
     if args.json:
         with open(args.json, "w") as f:
