@@ -24,6 +24,14 @@ run's extra memory). Weight bytes count every distinct parameter and buffer
 storage of the model once (tied embeddings once), and the Linear weights
 alone (with their scales).
 
+Attention: every variant, bf16 included, runs the same attention function,
+so that the ratios measure the weights alone. By default it is qfp8's
+``qfp8_sdpa`` (what ``qfp8.quantize`` switches an ``"sdpa"`` model to: a
+one-token step packs the grouped-query heads in compiled mode too, see
+qfp8/nn/attention.py); ``--attention sdpa`` runs transformers' own, and
+``--attention qfp8_sdpa sdpa`` both, in the same rounds (each scheme then has
+a model copy per attention).
+
 The fast-path table times a ``QLinear`` call against the bare op call with the
 same arguments, interleaved call by call, at M = 1 on SmolLM2's layer shapes.
 
@@ -54,6 +62,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 import qfp8  # noqa: E402
 from qfp8.nn import QLinear  # noqa: E402
+from qfp8.nn.attention import PACKED_SDPA, use_packed_sdpa  # noqa: E402
 
 # Scheme name -> qfp8.quantize arguments. "bf16" is the baseline, always run.
 SCHEMES = {
@@ -221,6 +230,7 @@ class Variant:
     step: object
     cache: object
     kernels: list[str]
+    attention: str
     tokens_per_s: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     peak_rss: int = 0
@@ -255,25 +265,34 @@ def bench_model(name: str, args) -> list[dict]:
     models, kernels, sizes = {}, {}, {}
     for scheme, kwargs in schemes.items():
         if kwargs is None:
-            models[scheme], kernels[scheme] = base, ["torch bf16"]
+            model, kernels[scheme] = base, ["torch bf16"]
         else:
-            models[scheme], kernels[scheme] = quantized_copy(base, kwargs, prompt, args.exclude)
-        sizes[scheme] = weight_bytes(models[scheme])
+            model, kernels[scheme] = quantized_copy(base, kwargs, prompt, args.exclude)
+        sizes[scheme] = weight_bytes(model)
+        # The same attention for every scheme (quantize switched the FP8 copies to qfp8_sdpa); a
+        # second attention gets its own copy of the model, whose config says which one it runs.
+        for i, attention in enumerate(args.attention):
+            copy_ = model if i == 0 else copy.deepcopy(model)
+            copy_.config._attn_implementation = "sdpa"
+            if attention == PACKED_SDPA:
+                use_packed_sdpa(copy_)
+            models[scheme, attention] = copy_
+        del model
         gc.collect()
 
     variants: list[Variant] = []
     for mode in args.modes:
-        for scheme, model in models.items():
+        for (scheme, attention), model in models.items():
             cache = StaticCache(config=model.config, max_cache_len=args.prompt_len + args.new_tokens)
             with torch.no_grad():  # allocates the static cache eagerly (transformers' requirement)
                 model(prompt[:, :1], cache=cache, use_cache=True)
             step = forward_logits
             if mode == "compiled":
                 step = torch.compile(forward_logits, fullgraph=True, dynamic=False, mode=args.compile_mode)
-            variant = Variant(scheme, mode, model, step, cache, kernels[scheme])
+            variant = Variant(scheme, mode, model, step, cache, kernels[scheme], attention)
             generate(variant, prompt, min(3, args.new_tokens))  # warm-up (and compiles: prefill, step)
             variants.append(variant)
-            print(f"  ready: {name} {scheme} {mode}", file=sys.stderr, flush=True)
+            print(f"  ready: {name} {scheme} {attention} {mode}", file=sys.stderr, flush=True)
 
     for _ in range(args.rounds):
         for variant in variants:
@@ -286,9 +305,9 @@ def bench_model(name: str, args) -> list[dict]:
             variant.tokens = tokens
 
     rows = []
-    baselines = {v.mode: v for v in variants if v.scheme == BASELINE}
+    baselines = {(v.mode, v.attention): v for v in variants if v.scheme == BASELINE}
     for variant in variants:
-        base_variant = baselines[variant.mode]
+        base_variant = baselines[variant.mode, variant.attention]
         total, linear = sizes[variant.scheme]
         base_total, base_linear = sizes[BASELINE]
         matches = sum(a == b for a, b in zip(variant.tokens, base_variant.tokens, strict=True))
@@ -296,6 +315,7 @@ def bench_model(name: str, args) -> list[dict]:
             {
                 "model": name,
                 "scheme": variant.scheme,
+                "attention": variant.attention,
                 "mode": variant.mode,
                 "kernels": variant.kernels,
                 "tokens_per_s": statistics.median(variant.tokens_per_s),
@@ -424,6 +444,7 @@ def print_decode_table(rows: list[dict]) -> None:
             [
                 ("model", "model", ""),
                 ("scheme", "scheme", ""),
+                ("attention", "attention", ""),
                 ("mode", "mode", ""),
                 ("tok/s", "tokens_per_s", ".2f"),
                 ("x bf16", "tokens_per_s_ratio", ".2f"),
@@ -468,6 +489,14 @@ def parse_args(argv=None):
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians over them")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--attention",
+        nargs="+",
+        default=[PACKED_SDPA],
+        choices=[PACKED_SDPA, "sdpa"],
+        help="attention function(s) every variant runs with, each against bf16 with the same one "
+        "(default: qfp8's, which quantize selects)",
+    )
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode (default: inductor's default)")
     parser.add_argument(
         "--exclude",
@@ -483,6 +512,7 @@ def parse_args(argv=None):
     if args.quick:
         args.models, args.prompt_len, args.new_tokens, args.rounds = ["tiny"], 16, 8, 1
         args.schemes = ["w8a16-channel"]
+        args.attention = [PACKED_SDPA, "sdpa"]
         args.fast_path_calls = min(args.fast_path_calls, 200)
     if args.prompt_len < 1 or args.new_tokens < 1 or args.rounds < 1:
         parser.error("--prompt-len, --new-tokens and --rounds must be at least 1")

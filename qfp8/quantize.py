@@ -71,6 +71,7 @@ class QuantizeReport:
     entries: list[ReportEntry] = field(default_factory=list)
     others: list[OtherWeights] = field(default_factory=list)
     other_fraction: float = 0.0
+    attention: str = ""  # how quantize changed the model's attention implementation, if it did
 
     @property
     def quantized(self) -> list[ReportEntry]:
@@ -101,6 +102,8 @@ class QuantizeReport:
         lines.append(f"{len(self.quantized)} quantized, {len(self.skipped)} skipped")
         if self.others:
             lines.append(self.others_summary())
+        if self.attention:
+            lines.append(f"attention: {self.attention}")
         return "\n".join(lines)
 
     def others_summary(self) -> str:
@@ -458,6 +461,10 @@ def quantize(
             entry.scheme = scheme.describe() + (f" accuracy-{accuracy}" if accuracy else "")
             entry.kernel = qexperts.packing
             del qexperts
+    from qfp8.nn.attention import PACKED_SDPA, use_packed_sdpa
+
+    if use_packed_sdpa(model):
+        report.attention = f"sdpa -> {PACKED_SDPA} (one-token steps pack grouped-query heads, compiled too)"
     if kv_cache is not None:
         from qfp8.nn.kv_cache import enable_fp8_kv_cache
 

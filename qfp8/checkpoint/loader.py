@@ -24,6 +24,7 @@ from torch import nn
 from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.readers import CheckpointPlan, check_scale, open_checkpoint
 from qfp8.nn import QLinear, QuantizationScheme
+from qfp8.nn.attention import use_packed_sdpa
 from qfp8.nn.experts import QExperts, find_fused_experts, use_fp8_experts
 from qfp8.nn.qlinear import state_spec
 
@@ -245,6 +246,7 @@ def build_skeleton(model: nn.Module, schemes: dict[str, QuantizationScheme]) -> 
             _set_submodule(model, alias, qlinear)
     uniform = set(schemes.values())
     model.qfp8_scheme = uniform.pop() if len(uniform) == 1 else None
+    use_packed_sdpa(model)  # as quantize does: one-token grouped-query steps pack their heads, compiled too
 
 
 def _experts_skeleton(item, scheme: QuantizationScheme) -> None:

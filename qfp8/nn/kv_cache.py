@@ -67,9 +67,9 @@ import warnings
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from qfp8 import formats
+from qfp8.nn.attention import PACKED_SDPA, packed_sdpa
 from qfp8.nn.qlinear import keep_buffer_dtypes
 
 KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -653,7 +653,8 @@ def _fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     head, ``torch.ops.qfp8.fp8_decode_attention`` reads the FP8 K/V rows the
     mask lets through, converting them in registers: no float copy of the
     cache. Otherwise (prefill, or a cache that is not FP8) the layer's K/V are
-    dequantized and transformers' SDPA function runs as usual.
+    dequantized and transformers' SDPA function runs, with the query heads of
+    a one-token step packed as in :mod:`qfp8.nn.attention`.
     """
     layer = kwargs.pop("qfp8_kv_layer", None)
     if layer is not None and key.dtype in KV_CACHE_DTYPES:
@@ -664,7 +665,7 @@ def _fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
             out = torch.ops.qfp8.fp8_decode_attention(query, key, value, k_scale, v_scale, attention_mask, scale)
             return out.transpose(1, 2).contiguous(), None
         key, value = layer.dequantized(key, value)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return packed_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _register_fused_attention() -> None:
@@ -723,10 +724,11 @@ def enable_fp8_kv_cache(
     error on the calibration K/V (see the module docstring); False keeps
     ``amax / fmax``.
     ``fused_attention``: when the model uses transformers' ``"sdpa"``
-    attention, switch it to :data:`FUSED_ATTENTION`, whose decode steps read
-    the FP8 cache in qfp8's kernel instead of dequantizing it first (prefill
-    and everything else still run SDPA). Other attention implementations are
-    left alone and get dequantized K/V.
+    attention (or qfp8's :data:`~qfp8.nn.attention.PACKED_SDPA`), switch it
+    to :data:`FUSED_ATTENTION`, whose decode steps read the FP8 cache in
+    qfp8's kernel instead of dequantizing it first (prefill and everything
+    else still run SDPA). Other attention implementations are left alone and
+    get dequantized K/V.
     Returns the names of the attention modules. Static scales come from
     :func:`qfp8.calibrate` or a checkpoint; without them scales are dynamic.
     """
@@ -759,7 +761,7 @@ def enable_fp8_kv_cache(
     model.qfp8_kv_cache_dtype = dtype
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
-    if fused_attention and attention == "sdpa":
+    if fused_attention and attention in ("sdpa", PACKED_SDPA):
         _register_fused_attention()
         config._attn_implementation = FUSED_ATTENTION
     elif not fused_attention and attention == FUSED_ATTENTION:  # enabled before with the fused path: switch back

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import sys
 import weakref
 
 import torch
@@ -377,6 +378,10 @@ class QLinear(nn.Module):
             state["_buffers"][name] = state["_buffers"][name].view(dtype)
         super().__setstate__(state)
         self._watch()
+        if "transformers" in sys.modules:  # a model unpickled in a new process may name qfp8's attention
+            from qfp8.nn.attention import register
+
+            register()
         self._use_kernel(kernel_by_name(self.packing))
 
     def _arm(self) -> None:

@@ -31,9 +31,12 @@ def test_decode_bench_quick_mode(tmp_path):
     report = json.loads(out.read_text())
 
     rows = report["decode"]
-    assert {(r["scheme"], r["mode"]) for r in rows} == {
-        (scheme, mode) for scheme in ("bf16", "w8a16-channel") for mode in ("eager", "compiled")
-    }
+    assert sorted((r["scheme"], r["attention"], r["mode"]) for r in rows) == sorted(
+        (scheme, attention, mode)
+        for scheme in ("bf16", "w8a16-channel")
+        for attention in ("qfp8_sdpa", "sdpa")
+        for mode in ("eager", "compiled")
+    )
     for row in rows:
         assert row["tokens_per_s"] > 0 and row["ttft_s"] > 0 and row["peak_rss_bytes"] > 0
         if row["scheme"] == "bf16":
