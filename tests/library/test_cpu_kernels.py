@@ -112,6 +112,46 @@ def test_w8a8_matches_reference_op(isa, w_dtype, activation, x_dtype):
         assert rel_error(y, reference.double()) <= 2 * TOLERANCE[x_dtype], f"{isa} M={m} N={n} K={k}"
 
 
+def _rounding_probe(act_dtype) -> torch.Tensor:
+    """Every finite FP8 value of ``act_dtype``, the midpoints between neighbours (ties), values just off them,
+    and values beyond the largest, both signs, in float32."""
+    codes = torch.arange(256, dtype=torch.uint8).view(act_dtype)
+    grid = formats.fp8_to_float(codes).float()
+    grid = torch.unique(grid[torch.isfinite(grid)])
+    mids = (grid[1:] + grid[:-1]) / 2
+    fmax = grid.max().item()
+    values = torch.cat(
+        [
+            grid,
+            mids,
+            torch.nextafter(mids, grid[1:]),
+            torch.nextafter(mids, grid[:-1]),
+            torch.tensor([1.5 * fmax, 1e30]),
+        ]
+    )
+    return torch.cat([values, -values])
+
+
+@pytest.mark.parametrize("activation", ["static", "token"])
+@pytest.mark.parametrize("w_dtype", list(FP8_IDS), ids=list(FP8_IDS.values()))
+def test_activation_rounding_is_bit_exact(isa, w_dtype, activation):
+    """The in-op quantization rounds exactly as formats.quantize_activation (round to nearest, ties to even,
+    subnormals, saturation): with an identity weight each output is one quantized activation times its scale."""
+    act_dtype = formats.activation_dtype_for(w_dtype)
+    probe = _rounding_probe(act_dtype)
+    k = probe.numel()
+    # Row 0 as it is (static scale 1: the values themselves meet the grid); row 1 shuffled and scaled
+    # (per token, the scale moves the grid).
+    x = torch.stack([probe, probe[torch.randperm(k, generator=torch.Generator().manual_seed(0))] * 0.37])
+    eye = torch.eye(k).to(w_dtype)
+    ones = torch.ones(k, 1)
+    input_scale = torch.ones(1) if activation == "static" else None
+    y = run_kernel(x, eye, ones, None, (), activation, input_scale)
+    xq, xs = formats.quantize_activation(x, act_dtype, "tensor" if activation == "static" else "token", input_scale)
+    expected = formats.fp8_to_float(xq).float() * xs.float()
+    assert torch.equal(y, expected), f"{isa}: {(y != expected).sum().item()} of {y.numel()} values differ"
+
+
 @pytest.mark.parametrize("w_dtype", list(FP8_IDS), ids=list(FP8_IDS.values()))
 def test_token_mse_scales_match_the_reference_over_magnitudes(isa, w_dtype):
     """The kernel's own scale search (its rounding to the FP8 grid, vectorized) picks the reference's scale on rows

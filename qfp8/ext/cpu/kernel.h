@@ -129,6 +129,7 @@ inline float round_to_grid(float v, const Fp8Grid& grid) {
 using GridErrorFn = double (*)(const float* row, int64_t K, float inverse, const Fp8Grid& grid);
 double grid_error_scalar(const float* row, int64_t K, float inverse, const Fp8Grid& grid);
 double grid_error_avx2(const float* row, int64_t K, float inverse, const Fp8Grid& grid);
+double grid_error_avx512bf16(const float* row, int64_t K, float inverse, const Fp8Grid& grid);
 
 // ------------------------------------------------------------ activation quantization
 // out[k] = round_to_grid(clamp(row[k] / scale, +-fmax)) * post, NaN where the
@@ -136,10 +137,12 @@ double grid_error_avx2(const float* row, int64_t K, float inverse, const Fp8Grid
 using QuantizeRowFn = void (*)(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out);
 void quantize_row_scalar(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out);
 void quantize_row_avx2(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out);
+void quantize_row_avx512bf16(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out);
 // The largest finite |row[k]| (0 when there is none).
 using FiniteAmaxFn = float (*)(const float* row, int64_t K);
 float finite_amax_scalar(const float* row, int64_t K);
 float finite_amax_avx2(const float* row, int64_t K);
+float finite_amax_avx512bf16(const float* row, int64_t K);
 
 // The FP8 -> fp16 bit trick every vector kernel uses: an e4m3 byte b becomes
 // the fp16 with bits ((int16)(b << 8) >> 1) & 0xBFFF (sign kept in bit 15,

@@ -465,4 +465,97 @@ void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, i
   }
 }
 
+// ------------------------------------------------------------ activation helpers
+// The AVX2 helpers (kernel_avx2.cpp) 16 values at a time: the same IEEE
+// operations per value, so quantize_row and finite_amax give the same bits;
+// grid_error sums its float32 terms in another order (last bits of a float64).
+
+namespace {
+
+// round_to_grid (kernel.h) of 16 finite values u (already clamped).
+template <int Dropped>
+inline __m512 round_to_grid16(__m512 u, __m512 min_normal, __m512 magic) {
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512i half = _mm512_set1_epi32((1 << (Dropped - 1)) - 1);
+  const __m512i keep = _mm512_set1_epi32(~((1 << Dropped) - 1));
+  const __m512i bits = _mm512_andnot_si512(sign, _mm512_castps_si512(u));
+  const __m512 a = _mm512_castsi512_ps(bits);
+  const __m512 sub = _mm512_sub_ps(_mm512_add_ps(a, magic), magic);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, Dropped), _mm512_set1_epi32(1));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, half), odd), keep));
+  const __m512 rounded = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, min_normal, _CMP_LT_OQ), normal, sub);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(rounded), _mm512_and_si512(sign, _mm512_castps_si512(u))));
+}
+
+template <int Dropped>
+inline void add_grid_error16(__m512 u, __m512 min_normal, __m512 magic, __m512d& acc0, __m512d& acc1) {
+  const __m512 d = _mm512_sub_ps(round_to_grid16<Dropped>(u, min_normal, magic), u);
+  const __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(d));
+  const __m512d d1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(d, 1));
+  acc0 = _mm512_fmadd_pd(d0, d0, acc0);
+  acc1 = _mm512_fmadd_pd(d1, d1, acc1);
+}
+
+template <int Dropped>
+double grid_error_impl(const float* row, int64_t K, float inverse, const Fp8Grid& grid) {
+  const __m512 s = _mm512_set1_ps(inverse);
+  const __m512 hi = _mm512_set1_ps(grid.fmax), lo = _mm512_set1_ps(-grid.fmax);
+  const __m512 min_normal = _mm512_set1_ps(grid.min_normal), magic = _mm512_set1_ps(grid.magic);
+  __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512 u0 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(row + k), s), lo), hi);
+    const __m512 u1 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(row + k + 16), s), lo), hi);
+    add_grid_error16<Dropped>(u0, min_normal, magic, acc[0], acc[1]);
+    add_grid_error16<Dropped>(u1, min_normal, magic, acc[2], acc[3]);
+  }
+  double error = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])));
+  for (; k < K; ++k) {
+    const float u = std::fmin(std::fmax(row[k] * inverse, -grid.fmax), grid.fmax);
+    const float d = round_to_grid(u, grid) - u;
+    error += static_cast<double>(d) * d;
+  }
+  return error;
+}
+
+template <int Dropped>
+void quantize_row_impl(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out) {
+  const __m512 s = _mm512_set1_ps(scale), p = _mm512_set1_ps(post);
+  const __m512 hi = _mm512_set1_ps(grid.fmax), lo = _mm512_set1_ps(-grid.fmax);
+  const __m512 min_normal = _mm512_set1_ps(grid.min_normal), magic = _mm512_set1_ps(grid.magic);
+  const __m512 largest = _mm512_set1_ps(3.40282347e38f), nan = _mm512_set1_ps(NAN);
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 q = _mm512_div_ps(_mm512_loadu_ps(row + k), s);  // a division, as the scalar code
+    const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(q), largest, _CMP_LE_OQ);
+    const __m512 u = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+    __m512 value = _mm512_mask_blend_ps(finite, nan, round_to_grid16<Dropped>(u, min_normal, magic));
+    if (post != 1.0f) value = _mm512_mul_ps(value, p);
+    _mm512_storeu_ps(out + k, value);
+  }
+  if (k < K) quantize_row_scalar(row + k, K - k, scale, post, grid, out + k);
+}
+
+}  // namespace
+
+double grid_error_avx512bf16(const float* row, int64_t K, float inverse, const Fp8Grid& grid) {
+  return grid.dropped_bits == 21 ? grid_error_impl<21>(row, K, inverse, grid) : grid_error_impl<20>(row, K, inverse, grid);
+}
+
+void quantize_row_avx512bf16(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out) {
+  if (grid.dropped_bits == 21) return quantize_row_impl<21>(row, K, scale, post, grid, out);
+  quantize_row_impl<20>(row, K, scale, post, grid, out);
+}
+
+float finite_amax_avx512bf16(const float* row, int64_t K) {
+  const __m512 largest = _mm512_set1_ps(3.40282347e38f);
+  __m512 amax = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(row + k));
+    amax = _mm512_mask_max_ps(amax, _mm512_cmp_ps_mask(a, largest, _CMP_LE_OQ), amax, a);  // Inf and NaN count as 0
+  }
+  return std::fmax(_mm512_reduce_max_ps(amax), finite_amax_scalar(row + k, K - k));
+}
+
 }  // namespace qfp8

@@ -165,16 +165,24 @@ std::string get_isa() { return current_isa().name; }
 // The helpers beside the linear kernels (decode attention, the token-mse
 // grid search, activation quantization) come in a scalar and an AVX2
 // version; every vector ISA uses the AVX2 one, the scalar ISA the scalar.
+// The activation helpers also come in an AVX512 version (in the avx512bf16
+// unit), which the avx512bf16 ISA uses.
 #ifdef QFP8_HAVE_AVX2
 #define QFP8_HELPER_FOR_CURRENT_ISA(name) (current_isa().fn != linear_tiles_scalar ? name##_avx2 : name##_scalar)
 #else
 #define QFP8_HELPER_FOR_CURRENT_ISA(name) (name##_scalar)
 #endif
+#ifdef QFP8_HAVE_AVX512BF16
+#define QFP8_ACTIVATION_HELPER_FOR_CURRENT_ISA(name) \
+  (current_isa().fn == linear_tiles_avx512bf16 ? name##_avx512bf16 : QFP8_HELPER_FOR_CURRENT_ISA(name))
+#else
+#define QFP8_ACTIVATION_HELPER_FOR_CURRENT_ISA(name) QFP8_HELPER_FOR_CURRENT_ISA(name)
+#endif
 
 DecodeAttentionFn decode_attention_for_current_isa() { return QFP8_HELPER_FOR_CURRENT_ISA(decode_attention); }
-QuantizeRowFn quantize_row_for_current_isa() { return QFP8_HELPER_FOR_CURRENT_ISA(quantize_row); }
-FiniteAmaxFn finite_amax_for_current_isa() { return QFP8_HELPER_FOR_CURRENT_ISA(finite_amax); }
-GridErrorFn grid_error_for_current_isa() { return QFP8_HELPER_FOR_CURRENT_ISA(grid_error); }
+QuantizeRowFn quantize_row_for_current_isa() { return QFP8_ACTIVATION_HELPER_FOR_CURRENT_ISA(quantize_row); }
+FiniteAmaxFn finite_amax_for_current_isa() { return QFP8_ACTIVATION_HELPER_FOR_CURRENT_ISA(finite_amax); }
+GridErrorFn grid_error_for_current_isa() { return QFP8_ACTIVATION_HELPER_FOR_CURRENT_ISA(grid_error); }
 
 int fp8_format(c10::ScalarType dtype, const char* what) {
   switch (dtype) {
