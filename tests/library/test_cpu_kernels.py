@@ -112,6 +112,22 @@ def test_w8a8_matches_reference_op(isa, w_dtype, activation, x_dtype):
         assert rel_error(y, reference.double()) <= 2 * TOLERANCE[x_dtype], f"{isa} M={m} N={n} K={k}"
 
 
+@pytest.mark.parametrize("activation", ["token", "static", "token-mse"])
+@pytest.mark.parametrize("granularity", ["block-odd", "block-even"])
+def test_w8a8_block_scales_and_odd_k_match_reference_op(isa, granularity, activation):
+    """Block scales whose k-block is odd (avx512bf16 declines its bf16 route), even ones, odd and even K."""
+    block_size = GRANULARITIES[granularity]
+    for m, n, k in [(9, 40, 300), (3, 33, 301)]:
+        q, scale = random_weight(n, k, torch.float8_e4m3fn, "block", block_size)
+        x = torch.randn(m, k).to(torch.bfloat16)
+        input_scale = torch.tensor([0.02]) if activation == "static" else None
+        y = run_kernel(x, q, scale, None, block_size, activation, input_scale)
+        reference = torch.ops.qfp8.scaled_linear(
+            x, q, scale, None, input_scale, list(block_size), activation, torch.float8_e4m3fn
+        )
+        assert rel_error(y, reference.double()) <= TOLERANCE[torch.bfloat16], f"{isa} M={m} N={n} K={k}"
+
+
 def _rounding_probe(act_dtype) -> torch.Tensor:
     """Every finite FP8 value of ``act_dtype``, the midpoints between neighbours (ties), values just off them,
     and values beyond the largest, both signs, in float32."""

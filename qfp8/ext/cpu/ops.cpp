@@ -255,10 +255,12 @@ float token_mse_scale(const float* row, int64_t K, float amax, float fmax, at::S
   return best_scale;
 }
 
-// Fills buffer [M][Kp] (zero padded) and row_scale [M] from x [M][K].
+// Fills buffer [M][Kp] (zero padded) and row_scale [M] from x [M][K]. With
+// out_bf16 (a quantizing mode other than kGroup: FP8 values, exact in bf16)
+// the values go to out_bf16 [M][K] as bf16 bits instead, and buffer is unused.
 template <typename T>
 void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activation mode, at::ScalarType qdtype,
-                         const float* input_scale, float* buffer, float* row_scale) {
+                         const float* input_scale, float* buffer, float* row_scale, uint16_t* out_bf16 = nullptr) {
   float qmax = 448.0f;
   if (qdtype == at::kFloat8_e4m3fnuz) qmax = 240.0f;
   if (qdtype == at::kFloat8_e5m2) qmax = 57344.0f;
@@ -287,8 +289,9 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
   at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> finite(mode == kTokenMse ? K : 0);  // token-mse: a row with its non-finite values zeroed
+    std::vector<float> scratch(out_bf16 ? Kp : 0);        // bf16 output: each row in float32 first
     for (int64_t m = begin; m < end; ++m) {
-      float* out = buffer + m * Kp;
+      float* out = out_bf16 ? scratch.data() : buffer + m * Kp;
       for (int64_t k = K; k < Kp; ++k) out[k] = 0.0f;
       const float* xr = row_as_float(m, out);  // converted in place: each step reads a value before it writes it
       switch (mode) {
@@ -324,6 +327,14 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
             quantize_row(xr + g, n, scale, scale, grid, out + g);
           }
           break;
+      }
+      if (out_bf16) {  // exact: an FP8 value (or NaN) keeps its top 16 bits
+        uint16_t* row = out_bf16 + m * K;
+        for (int64_t k = 0; k < K; ++k) {
+          uint32_t bits;
+          std::memcpy(&bits, out + k, sizeof bits);
+          row[k] = static_cast<uint16_t>(bits >> 16);
+        }
       }
     }
   });
@@ -424,15 +435,38 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   // (kernel.h); when it declines, x goes the float32 way below (and the ISA
   // is not asked again: it would decline for the same reason).
   bool declined = false;
+  std::vector<float> x_buffer, row_scale;
+  std::vector<uint16_t> x_quantized;  // outlives the tiles: the ISA may read it in place
   if (isa.prepare && mode == kNone && xdtype == at::kBFloat16) {
     p.x_bf16 = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
     prepared = isa.prepare(p);
     p.x_bf16 = nullptr;
     declined = !prepared;
+  } else if (isa.prepare && mode != kNone && mode != kGroup) {
+    // Quantized activations are FP8 values, exact in bf16: handed over as
+    // bf16 (no float32 buffer, no split into parts). Group scales multiply
+    // the values themselves, which bf16 would round, so kGroup goes below.
+    x_quantized.resize(M * K);
+    uint16_t* q = x_quantized.data();
+    row_scale.resize(M);
+    if (xdtype == at::kFloat) {
+      prepare_activations(x.data_ptr<float>(), M, K, Kp, mode, activation_dtype, input_scale_data, nullptr,
+                          row_scale.data(), q);
+    } else if (xdtype == at::kBFloat16) {
+      prepare_activations(x.data_ptr<c10::BFloat16>(), M, K, Kp, mode, activation_dtype, input_scale_data, nullptr,
+                          row_scale.data(), q);
+    } else {
+      prepare_activations(x.data_ptr<c10::Half>(), M, K, Kp, mode, activation_dtype, input_scale_data, nullptr,
+                          row_scale.data(), q);
+    }
+    p.x_bf16 = q;
+    prepared = isa.prepare(p);
+    p.x_bf16 = nullptr;
+    declined = !prepared;
+    if (prepared) p.row_scale = row_scale.data();
   }
   // Activations as float32 [M][Kp]: x itself when it already is float32
   // with an even K, else converted (or quantized) into a buffer.
-  std::vector<float> x_buffer, row_scale;
   if (prepared) {
     p.x = nullptr;
   } else if (mode == kNone && xdtype == at::kFloat && K == Kp) {
