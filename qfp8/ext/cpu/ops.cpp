@@ -437,6 +437,19 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   bool declined = false;
   std::vector<float> x_buffer, row_scale;
   std::vector<uint16_t> x_quantized;  // outlives the tiles: the ISA may read it in place
+  // prepare_activations on x in its dtype, into a float32 buffer or as bf16.
+  auto prepare_x = [&](float* buffer, uint16_t* bf16) {
+    if (xdtype == at::kFloat) {
+      prepare_activations(x.data_ptr<float>(), M, K, Kp, mode, activation_dtype, input_scale_data, buffer,
+                          row_scale.data(), bf16);
+    } else if (xdtype == at::kBFloat16) {
+      prepare_activations(x.data_ptr<c10::BFloat16>(), M, K, Kp, mode, activation_dtype, input_scale_data, buffer,
+                          row_scale.data(), bf16);
+    } else {
+      prepare_activations(x.data_ptr<c10::Half>(), M, K, Kp, mode, activation_dtype, input_scale_data, buffer,
+                          row_scale.data(), bf16);
+    }
+  };
   if (isa.prepare && mode == kNone && xdtype == at::kBFloat16) {
     p.x_bf16 = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
     prepared = isa.prepare(p);
@@ -446,20 +459,12 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
     // Quantized activations are FP8 values, exact in bf16: handed over as
     // bf16 (no float32 buffer, no split into parts). Group scales multiply
     // the values themselves, which bf16 would round, so kGroup goes below.
+    // (A block scale with an odd k-block makes the ISA decline: x is then
+    // quantized again below, into float32.)
     x_quantized.resize(M * K);
-    uint16_t* q = x_quantized.data();
     row_scale.resize(M);
-    if (xdtype == at::kFloat) {
-      prepare_activations(x.data_ptr<float>(), M, K, Kp, mode, activation_dtype, input_scale_data, nullptr,
-                          row_scale.data(), q);
-    } else if (xdtype == at::kBFloat16) {
-      prepare_activations(x.data_ptr<c10::BFloat16>(), M, K, Kp, mode, activation_dtype, input_scale_data, nullptr,
-                          row_scale.data(), q);
-    } else {
-      prepare_activations(x.data_ptr<c10::Half>(), M, K, Kp, mode, activation_dtype, input_scale_data, nullptr,
-                          row_scale.data(), q);
-    }
-    p.x_bf16 = q;
+    prepare_x(nullptr, x_quantized.data());
+    p.x_bf16 = x_quantized.data();
     prepared = isa.prepare(p);
     p.x_bf16 = nullptr;
     declined = !prepared;
@@ -474,16 +479,7 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   } else {
     x_buffer.resize(M * Kp);
     if (mode != kNone) row_scale.resize(M);
-    if (xdtype == at::kFloat) {
-      prepare_activations(x.data_ptr<float>(), M, K, Kp, mode, activation_dtype, input_scale_data, x_buffer.data(),
-                          row_scale.data());
-    } else if (xdtype == at::kBFloat16) {
-      prepare_activations(x.data_ptr<c10::BFloat16>(), M, K, Kp, mode, activation_dtype, input_scale_data,
-                          x_buffer.data(), row_scale.data());
-    } else {
-      prepare_activations(x.data_ptr<c10::Half>(), M, K, Kp, mode, activation_dtype, input_scale_data,
-                          x_buffer.data(), row_scale.data());
-    }
+    prepare_x(x_buffer.data(), nullptr);
     p.x = x_buffer.data();
     if (mode != kNone && mode != kGroup) p.row_scale = row_scale.data();
   }
