@@ -49,9 +49,10 @@ struct LinearProblem {
   int out_dtype;           // OutDtype
   int64_t ldo;
   const void* prepared;    // what the ISA's prepare step made of x (see below), or null
-  // Only while the prepare step runs, for an ISA that has one: bf16 x as
-  // given, [M][K] (x is then null). A prepare step that declines it (returns
-  // null) is called again with x in float32.
+  // Only while the prepare step runs, for an ISA that has one: bf16
+  // activations [M][K], x as given or its quantized FP8 values (x is then
+  // null). A prepare step that declines them (returns null) is not asked
+  // again; the float32 x goes to its tiles without a prepared form.
   const uint16_t* x_bf16;
 };
 

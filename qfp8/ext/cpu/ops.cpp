@@ -7,10 +7,11 @@
 //
 // Per call, on plain tensors: cheap shape checks, the activations turned into
 // a float32 [M][Kp] buffer (a copy of x, or x quantized to FP8 and held as
-// the exact FP8 values; the avx512bf16 kernel takes bf16 x as it is and
-// prepares its own form of the activations once per call), then the tiles
-// of 32 output channels are split over threads with at::parallel_for. Each tile is computed whole by one thread,
-// so results do not depend on the number of threads.
+// the exact FP8 values), then the tiles of 32 output channels are split over
+// threads with at::parallel_for. Each tile is computed whole by one thread,
+// so results do not depend on the number of threads. The avx512bf16 kernel
+// prepares its own form of the activations once per call, from bf16: x as it
+// is, or the quantized FP8 values (exact in bf16) instead of the buffer.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
