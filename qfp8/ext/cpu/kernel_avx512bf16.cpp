@@ -30,13 +30,12 @@
 //
 // Up to 4 virtual rows (M == 1 included): a fused loop converts each group
 // and multiplies it at once (memory-bound: two groups per step, so every row
-// has four independent accumulators; software prefetch 4 KB ahead, 8 KB
-// for more than one row).
+// has four independent accumulators; software prefetch 8 KB ahead).
 // More rows: the tile's weights are converted chunk by chunk (512 k pairs)
 // into a bf16 panel (64 KB, in L2; 128-pair chunks in L1 measured 4 %
 // slower at M = 256), which a register-blocked loop of up to 12
 // virtual rows x 32 channels (24 zmm accumulators, a broadcast activation
-// pair per row and k pair) multiplies; the first row block prefetches the
+// pair per row and k pair) multiplies; the last row block prefetches the
 // next chunk's weights, a line per k pair. When the activations outgrow L2,
 // four tiles go through K together, so each row block's activations are read
 // once for the four.
@@ -61,8 +60,10 @@ namespace {
 constexpr int64_t kChunkPairs = 512;  // k pairs per converted panel chunk: 512 x 128 bytes = 64 KB (in L2)
 constexpr int64_t kGroupTiles = 4;    // tiles that go through K together (M > 4)
 constexpr int kMaxRows = 12;          // virtual rows per register block: 24 zmm accumulators
-constexpr int64_t kPrefetchPairs = 64;          // one row: groups ahead (4 KB) the loop asks for (best of 8 to 256)
-constexpr int64_t kFewRowsPrefetchPairs = 128;  // 2 to 4 rows: 8 KB ahead (3-7 % faster at M = 4 than 4 KB)
+// Groups ahead (8 KB) the fused loop asks for. Zen 5, one row, cold
+// weights: 2.5-5 % faster than 4 KB; 10 and 12 KB no better, 16 KB slower.
+// At M = 4, 3-7 % faster than 4 KB.
+constexpr int64_t kPrefetchPairs = 128;
 constexpr float kTinyActivation = 0x1p-80f;
 
 // bf16 bits of FP8 code i (0..127, sign clear), exact.
@@ -288,15 +289,14 @@ void tile_few_rows(const LinearProblem& p, const Tables& tb, int64_t t, const ui
   const int64_t pairs = p.Kp / 2;
   const uint8_t* g = p.w + t * pairs * kGroupBytes;
   const int64_t segment = Block ? p.bk / 2 : pairs;
-  constexpr int64_t ahead = Rows == 1 ? kPrefetchPairs : kFewRowsPrefetchPairs;
   for (int64_t s0 = 0; s0 < pairs; s0 += segment) {
     const int64_t s1 = std::min(pairs, s0 + segment);
     __m512 acc[Rows][4];
     for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
     int64_t i = s0;
     for (; i + 2 <= s1; i += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(g + (i + ahead) * kGroupBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(g + (i + ahead + 1) * kGroupBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs) * kGroupBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs + 1) * kGroupBytes), _MM_HINT_T0);
       __m512i w00, w01, w10, w11;
       convert_group(tb, g + i * kGroupBytes, w00, w01);
       convert_group(tb, g + (i + 1) * kGroupBytes, w10, w11);
@@ -407,12 +407,14 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
       for (int64_t j = 0; j < tiles; ++j) {
         float* acc_rows[kMaxRows];
         for (int r = 0; r < rows; ++r) acc_rows[r] = acc + (j * p.M + a.output_row[v0 + r]) * kTileN;
-        // The first row block asks for each tile's next chunk (after the
+        // The last row block asks for each tile's next chunk (after the
         // last, the first of the tile a group further), a line per k pair,
-        // so that it streams in while this one is multiplied.
+        // so that it streams in while this one is multiplied. From the
+        // first, the lines waited through every block and had partly left
+        // L2 again: 2 % slower at M = 256.
         const uint8_t* next = w + j * tile_bytes + (c0 + count < pairs ? (c0 + count) * kGroupBytes : tiles * tile_bytes);
         kPanelRows[rows](panels + j * 2 * kChunkPairs, count, a.row(v0) + c0, pairs, acc_rows,
-                         Block ? scale[j] : nullptr, b == 0 ? next : nullptr);
+                         Block ? scale[j] : nullptr, b == a.blocks - 1 ? next : nullptr);
       }
     }
     c0 += count;
