@@ -34,4 +34,25 @@ def test_bench_linear_quick_writes_every_column(tmp_path):
         for column in columns:
             assert row[f"{column}_ms"] > 0 and row[f"{column}_vs_bf16"] > 0, (row, column)
         if row["M"] == 1:
-            assert row["w8a16_gbps"] > 0 and row["stream_gbps"] > 0
+            assert row["w8a16_gbps"] > 0 and row["stream_gbps"] > 0 and row["stream_vs_bf16"] > 0
+
+
+def test_measure_gives_listed_methods_their_own_rounds():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_linear", ROOT / "bench" / "linear.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = {"fast": 0, "slow": 0}
+
+    def counter(name):
+        def call(x):
+            calls[name] += 1
+
+        return [call]
+
+    medians = bench.measure(
+        {name: counter(name) for name in calls}, None, 3, budget_s=60.0, burst=2, rounds_of={"fast": 15}
+    )
+    assert calls == {"fast": 30, "slow": 6}
+    assert set(medians) == {"fast", "slow"} and all(m >= 0 for m in medians.values())
