@@ -232,6 +232,9 @@ def accuracy(model, tokens: torch.Tensor, window: int, windows: int, calibration
         ("fp8-e4m3 dynamic head + key centering", (None, True)),
     ]
     sums = {name: {"kl": 0.0, "nll": 0.0} for name, _ in [("float32", None), *variants]}
+    # Per window: mean NLL minus the float32-cache model's (windows are about
+    # independent; tokens within one are not), for a standard error.
+    window_deltas = {name: [] for name in sums}
     count = 0
     with torch.no_grad():
         for ids in eval_windows:
@@ -239,7 +242,9 @@ def accuracy(model, tokens: torch.Tensor, window: int, windows: int, calibration
             reference = _forward(model, ids[None], "float32")
             labels = ids[1:]
             log_ref = torch.log_softmax(reference, -1)
-            sums["float32"]["nll"] += float(torch.nn.functional.nll_loss(log_ref, labels, reduction="sum"))
+            nll_ref = float(torch.nn.functional.nll_loss(log_ref, labels, reduction="sum"))
+            sums["float32"]["nll"] += nll_ref
+            window_deltas["float32"].append(0.0)
             for name, setting in variants:
                 set_fp8(model, setting is not None)
                 if setting is not None:
@@ -247,7 +252,9 @@ def accuracy(model, tokens: torch.Tensor, window: int, windows: int, calibration
                 logits = _forward(model, ids[None], "bf16" if setting is None else "fp8")
                 log_p = torch.log_softmax(logits, -1)
                 sums[name]["kl"] += float((log_ref.exp() * (log_ref - log_p)).sum())
-                sums[name]["nll"] += float(torch.nn.functional.nll_loss(log_p, labels, reduction="sum"))
+                nll = float(torch.nn.functional.nll_loss(log_p, labels, reduction="sum"))
+                sums[name]["nll"] += nll
+                window_deltas[name].append((nll - nll_ref) / labels.numel())
             count += labels.numel()
     configure(True, False)
     set_fp8(model, True)
@@ -255,13 +262,19 @@ def accuracy(model, tokens: torch.Tensor, window: int, windows: int, calibration
     rows = []
     for name, values in sums.items():
         ppl = math.exp(values["nll"] / count)
+        deltas = window_deltas[name]
+        # Standard error of the mean per-window NLL difference, as a % of
+        # perplexity (d ppl = ppl d NLL); 0 with one window.
+        se = statistics.stdev(deltas) / math.sqrt(len(deltas)) if len(deltas) > 1 else 0.0
         rows.append(
             {
                 "cache": name,
                 "kl_mean": values["kl"] / count,
                 "perplexity": ppl,
                 "perplexity_delta_pct": 100 * (ppl / base_ppl - 1),
+                "perplexity_delta_pct_se": 100 * (ppl / base_ppl) * se,
                 "tokens": count,
+                "windows": len(deltas),
             }
         )
     return rows
@@ -351,11 +364,11 @@ def main(argv=None) -> dict:
         print(f"\n== accuracy: {source}, {windows} windows of {window} tokens, KL from the float32-cache model")
         rows = accuracy(model, tokens, window, windows, calibration_windows=1)
         results["accuracy"] = {"source": source, "window": window, "windows": windows, "rows": rows}
-        print(f"  {'cache':<42} {'KL mean':>9} {'perplexity':>11} {'delta %':>8}")
+        print(f"  {'cache':<50} {'KL mean':>9} {'perplexity':>11} {'delta %':>8} {'+- SE':>6}")
         for row in rows:
             print(
-                f"  {row['cache']:<42} {row['kl_mean']:>9.5f} {row['perplexity']:>11.4f} "
-                f"{row['perplexity_delta_pct']:>+8.3f}"
+                f"  {row['cache']:<50} {row['kl_mean']:>9.5f} {row['perplexity']:>11.4f} "
+                f"{row['perplexity_delta_pct']:>+8.3f} {row['perplexity_delta_pct_se']:>6.3f}"
             )
 
     if args.json:

@@ -37,5 +37,9 @@ def test_kv_cache_bench_quick(tmp_path):
         "fp8-e4m3 dynamic head",
     }
     assert rows["float32"]["kl_mean"] == 0
+    assert rows["float32"]["perplexity_delta_pct_se"] == 0  # its own differences are all 0
     for name, row in rows.items():
         assert 0 <= row["kl_mean"] < 0.05, name
+        assert row["windows"] == 2 and row["perplexity_delta_pct_se"] >= 0, name
+    # The FP8 caches differ from float32 by a different amount in each window.
+    assert rows["fp8-e4m3 dynamic head"]["perplexity_delta_pct_se"] > 0
