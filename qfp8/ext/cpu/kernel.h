@@ -54,6 +54,7 @@ struct LinearProblem {
   // null). A prepare step that declines them (returns null) is not asked
   // again; the float32 x goes to its tiles without a prepared form.
   const uint16_t* x_bf16;
+  int64_t threads;  // how many threads share the call's tiles (a tuning hint)
 };
 
 // Computes tiles [tile_begin, tile_end) of the problem. One per ISA; each is

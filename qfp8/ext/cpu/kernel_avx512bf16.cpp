@@ -30,7 +30,8 @@
 //
 // Up to 4 virtual rows (M == 1 included): a fused loop converts each group
 // and multiplies it at once (memory-bound: two groups per step, so every row
-// has four independent accumulators; software prefetch 8 KB ahead).
+// has four independent accumulators; software prefetch 8 KB ahead, 4 KB
+// when threads share the call).
 // More rows: the tile's weights are converted chunk by chunk (512 k pairs)
 // into a bf16 panel (64 KB, in L2; 128-pair chunks in L1 measured 4 %
 // slower at M = 256), which a register-blocked loop of up to 12
@@ -60,10 +61,13 @@ namespace {
 constexpr int64_t kChunkPairs = 512;  // k pairs per converted panel chunk: 512 x 128 bytes = 64 KB (in L2)
 constexpr int64_t kGroupTiles = 4;    // tiles that go through K together (M > 4)
 constexpr int kMaxRows = 12;          // virtual rows per register block: 24 zmm accumulators
-// Groups ahead (8 KB) the fused loop asks for. Zen 5, one row, cold
-// weights: 2.5-5 % faster than 4 KB; 10 and 12 KB no better, 16 KB slower.
-// At M = 4, 3-7 % faster than 4 KB.
+// Groups ahead the fused loop asks for: 8 KB when one thread runs the call,
+// 4 KB when more share it (each then gets less of the memory's bandwidth).
+// Zen 5, cold weights, one row: one thread 0.6-5 % faster at 8 KB than 4 KB
+// (10 and 12 KB no better, 16 KB slower); two threads 1-2 % slower at 8 KB.
+// At M = 4 (one thread), 3-7 % faster at 8 KB.
 constexpr int64_t kPrefetchPairs = 128;
+constexpr int64_t kSharedPrefetchPairs = 64;
 constexpr float kTinyActivation = 0x1p-80f;
 
 // bf16 bits of FP8 code i (0..127, sign clear), exact.
@@ -289,14 +293,15 @@ void tile_few_rows(const LinearProblem& p, const Tables& tb, int64_t t, const ui
   const int64_t pairs = p.Kp / 2;
   const uint8_t* g = p.w + t * pairs * kGroupBytes;
   const int64_t segment = Block ? p.bk / 2 : pairs;
+  const int64_t ahead = p.threads > 1 ? kSharedPrefetchPairs : kPrefetchPairs;
   for (int64_t s0 = 0; s0 < pairs; s0 += segment) {
     const int64_t s1 = std::min(pairs, s0 + segment);
     __m512 acc[Rows][4];
     for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
     int64_t i = s0;
     for (; i + 2 <= s1; i += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs) * kGroupBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(g + (i + kPrefetchPairs + 1) * kGroupBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + ahead) * kGroupBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g + (i + ahead + 1) * kGroupBytes), _MM_HINT_T0);
       __m512i w00, w01, w10, w11;
       convert_group(tb, g + i * kGroupBytes, w00, w01);
       convert_group(tb, g + (i + 1) * kGroupBytes, w10, w11);

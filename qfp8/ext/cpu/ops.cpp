@@ -489,6 +489,7 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   const LinearTilesFn fn = isa.fn;
   // At least ~256K multiply-adds per chunk so that small layers run inline.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, M * Kp * kTileN));
+  p.threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), (T + grain - 1) / grain);
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) { fn(p, begin, end); });
 }
 
