@@ -31,7 +31,7 @@
 // Up to 4 virtual rows (M == 1 included): a fused loop converts each group
 // and multiplies it at once (memory-bound: two groups per step, so every row
 // has four independent accumulators; software prefetch 8 KB ahead, 4 KB
-// when threads share the call).
+// for one row when threads share the call).
 // More rows: the tile's weights are converted chunk by chunk (512 k pairs)
 // into a bf16 panel (64 KB, in L2; 128-pair chunks in L1 measured 4 %
 // slower at M = 256), which a register-blocked loop of up to 12
@@ -61,8 +61,8 @@ namespace {
 constexpr int64_t kChunkPairs = 512;  // k pairs per converted panel chunk: 512 x 128 bytes = 64 KB (in L2)
 constexpr int64_t kGroupTiles = 4;    // tiles that go through K together (M > 4)
 constexpr int kMaxRows = 12;          // virtual rows per register block: 24 zmm accumulators
-// Groups ahead the fused loop asks for: 8 KB when one thread runs the call,
-// 4 KB when more share it (each then gets less of the memory's bandwidth).
+// Groups ahead the fused loop asks for: 8 KB, but 4 KB for one row when
+// threads share the call (each then gets less of the memory's bandwidth).
 // Zen 5, cold weights, one row: one thread 0.6-5 % faster at 8 KB than 4 KB
 // (10 and 12 KB no better, 16 KB slower); two threads 1-2 % slower at 8 KB.
 // At M = 4 (one thread), 3-7 % faster at 8 KB.
@@ -293,7 +293,7 @@ void tile_few_rows(const LinearProblem& p, const Tables& tb, int64_t t, const ui
   const int64_t pairs = p.Kp / 2;
   const uint8_t* g = p.w + t * pairs * kGroupBytes;
   const int64_t segment = Block ? p.bk / 2 : pairs;
-  const int64_t ahead = p.threads > 1 ? kSharedPrefetchPairs : kPrefetchPairs;
+  const int64_t ahead = Rows == 1 && p.threads > 1 ? kSharedPrefetchPairs : kPrefetchPairs;
   for (int64_t s0 = 0; s0 < pairs; s0 += segment) {
     const int64_t s1 = std::min(pairs, s0 + segment);
     __m512 acc[Rows][4];
