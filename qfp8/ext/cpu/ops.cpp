@@ -451,11 +451,9 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
                           row_scale.data(), bf16);
     }
   };
+  const uint16_t* x_bf16 = nullptr;
   if (isa.prepare && mode == kNone && xdtype == at::kBFloat16) {
-    p.x_bf16 = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-    prepared = isa.prepare(p);
-    p.x_bf16 = nullptr;
-    declined = !prepared;
+    x_bf16 = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   } else if (isa.prepare && mode != kNone && mode != kGroup) {
     // Quantized activations are FP8 values, exact in bf16: handed over as
     // bf16 (no float32 buffer, no split into parts). Group scales multiply
@@ -465,11 +463,14 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
     x_quantized.resize(M * K);
     row_scale.resize(M);
     prepare_x(nullptr, x_quantized.data());
-    p.x_bf16 = x_quantized.data();
+    x_bf16 = x_quantized.data();
+  }
+  if (x_bf16) {
+    p.x_bf16 = x_bf16;
     prepared = isa.prepare(p);
     p.x_bf16 = nullptr;
     declined = !prepared;
-    if (prepared) p.row_scale = row_scale.data();
+    if (prepared && mode != kNone) p.row_scale = row_scale.data();
   }
   // Activations as float32 [M][Kp]: x itself when it already is float32
   // with an even K, else converted (or quantized) into a buffer.
