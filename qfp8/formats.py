@@ -94,6 +94,46 @@ def fp8_to_float(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.T
     return table[q.view(torch.uint8).long()].to(dtype)
 
 
+# NaN/Inf codes per FP8 dtype: (mask, code) with ``bits & mask == code``.
+_NONFINITE_CODES = {
+    torch.float8_e4m3fn: (0x7F, 0x7F),  # NaN (no Inf)
+    torch.float8_e5m2: (0x7C, 0x7C),  # all exponent bits: Inf or NaN
+    torch.float8_e4m3fnuz: (0xFF, 0x80),  # NaN (the negative zero's code)
+}
+
+
+def _extension_scan(q: torch.Tensor):
+    return getattr(torch.ops.qfp8, "_cpu_fp8_first_nonfinite", None) if q.device.type == "cpu" else None
+
+
+def first_nonfinite(q: torch.Tensor) -> tuple[int, ...] | None:
+    """Index of the first NaN/Inf code of an FP8 tensor, or None when every code is finite.
+
+    A CPU tensor is scanned by the extension at memory speed (a model's
+    weights are checked when a checkpoint loads); other devices, or a build
+    without the extension, compare the codes with torch. Meta tensors have no
+    codes: None.
+    """
+    if q.dtype not in _NONFINITE_CODES:
+        raise TypeError(f"first_nonfinite takes an FP8 tensor, got {q.dtype}")
+    if q.device.type == "meta" or q.numel() == 0:
+        return None
+    scan = _extension_scan(q)
+    if scan is not None:
+        flat = scan(q)
+    else:
+        mask, code = _NONFINITE_CODES[q.dtype]
+        hits = ((q.reshape(-1).view(torch.uint8) & mask) == code).nonzero()
+        flat = int(hits[0, 0]) if hits.numel() else -1
+    if flat < 0:
+        return None
+    index = []
+    for size in reversed(q.shape):
+        index.append(flat % size)
+        flat //= size
+    return tuple(reversed(index))
+
+
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (amax.to(torch.float32).clamp(min=EPS) / fp8_max(dtype)).to(torch.float32)
 

@@ -557,6 +557,13 @@ def freeze(model: nn.Module) -> nn.Module:
     if not qlinears:
         raise ValueError("freeze: the model has no QLinear; call qfp8.quantize(model, ...) first")
     check_calibrated(model, "freeze")
+    for name, module in qlinears.items():
+        if formats.first_nonfinite(module.qweight) is not None:  # packed or not: the same codes
+            at = formats.first_nonfinite(module.canonical_weight())
+            raise ValueError(
+                f"freeze: module {module.label or name!r}: FP8 weight {list(module.qweight.shape)} holds a NaN/Inf "
+                f"code at {list(at)}; the layer would output NaN"
+            )
     for module in qlinears.values():
         module.pack_for_device()
     return model

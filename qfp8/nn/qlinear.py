@@ -657,13 +657,42 @@ class QLinear(nn.Module):
         }
         if self.bias is not None:
             expected["bias"] = ((self.out_features,), None)
+        static = self.scheme.activations == "static"
+        if static and self.input_scale is not None:  # a calibrated layer's scale is part of its state
+            expected["input_scale"] = ((1,), None)
+        if strict:
+            # A W8A16 or dynamic layer has no input_scale: one in the state dict
+            # (a static checkpoint) is reported, as are names the layer never has.
+            allowed = {*expected, "input_scale"} if static else set(expected)
+            for key in state_dict:
+                if key.startswith(prefix) and key[len(prefix) :] not in allowed:
+                    unexpected_keys.append(key)
         loaded = take_expected(state_dict, prefix, expected, missing_keys, error_msgs)
-        if prefix + "input_scale" in state_dict:
-            value = state_dict[prefix + "input_scale"]
+        if static and "input_scale" not in expected and prefix + "input_scale" in state_dict:
+            value = state_dict[prefix + "input_scale"]  # fills an uncalibrated layer's empty slot
             if value.numel() != 1:
                 error_msgs.append(f"{prefix}input_scale: expected 1 value, got shape {list(value.shape)}")
             else:
-                loaded["input_scale"] = value.reshape(1).to(torch.float32)
+                loaded["input_scale"] = value
+        if "input_scale" in loaded:
+            loaded["input_scale"] = loaded["input_scale"].reshape(1).to(torch.float32)
+        # Values the kernels cannot use: NaN/Inf FP8 codes, scales that are not finite and > 0.
+        for key in ("weight_scale", "input_scale"):
+            if key in loaded and loaded[key].device.type != "meta":
+                bad = ~(torch.isfinite(loaded[key]) & (loaded[key] > 0))
+                if bad.any():
+                    error_msgs.append(
+                        f"{prefix}{key}: {int(bad.sum())} of {loaded[key].numel()} value(s) are NaN/Inf, zero or "
+                        f"negative (first: {loaded[key][bad][0].item()}); scales must be finite and > 0"
+                    )
+        if "weight" in loaded:
+            at = formats.first_nonfinite(loaded["weight"])
+            if at is not None:
+                code = int(loaded["weight"][at].view(torch.uint8))
+                error_msgs.append(
+                    f"{prefix}weight: {self.scheme.weight_dtype} [{self.out_features}, {self.in_features}] holds a "
+                    f"NaN/Inf code (0x{code:02X}) at {list(at)}"
+                )
         if error_msgs or missing_keys and strict:
             return
         target = device or loaded.get("weight", self.qweight).device
@@ -676,5 +705,10 @@ class QLinear(nn.Module):
             self.input_scale = loaded["input_scale"].to(target)
             self._bind_op()
         if "bias" in loaded:
-            self.bias = nn.Parameter(loaded["bias"].to(device=target, dtype=self.orig_dtype), requires_grad=False)
+            value = loaded["bias"].to(device=target, dtype=self.orig_dtype)
+            if local_metadata.get("assign_to_params_buffers", False) or self.bias.device.type == "meta":
+                self.bias = nn.Parameter(value, requires_grad=self.bias.requires_grad)
+            else:
+                with torch.no_grad():  # the same Parameter, as nn.Linear keeps it (optimizers hold it)
+                    self.bias.copy_(value)
         self.pack_for_device()
