@@ -91,10 +91,11 @@ def scheme_to_group(scheme: QuantizationScheme, targets: list[str]) -> dict:
     }
 
 
-def kv_cache_scheme(dtype: torch.dtype | None) -> dict | None:
+def kv_cache_scheme(dtype: torch.dtype | None, dynamic: bool = False) -> dict | None:
+    """Per-tensor FP8 (static ``k_scale``/``v_scale``), or ``dynamic`` when the checkpoint holds no scales."""
     if dtype is None:
         return None
-    return _float_args("tensor", False)
+    return _float_args("tensor", dynamic)
 
 
 KV_DTYPE_KEY = "qfp8_kv_cache_dtype"
@@ -144,9 +145,14 @@ def qfp8_only_reasons(schemes: dict[str, QuantizationScheme], kv_cache_dtype: to
 
 
 def build_quantization_config(
-    schemes: dict[str, QuantizationScheme], ignored: list[str], kv_cache_dtype: torch.dtype | None
+    schemes: dict[str, QuantizationScheme],
+    ignored: list[str],
+    kv_cache_dtype: torch.dtype | None,
+    kv_cache_dynamic: bool = False,
 ) -> dict:
     """The ``quantization_config`` of a model whose quantized linears are ``schemes`` (name -> scheme).
+
+    ``kv_cache_dynamic``: the FP8 KV cache has no calibrated scales (none are written).
 
     ``quant_method`` is ``"compressed-tensors"``; when :func:`qfp8_only_reasons` finds something there is no
     ``quant_method`` but ``qfp8_method: "qfp8"`` (see the module docstring).
@@ -166,7 +172,7 @@ def build_quantization_config(
         "quantization_status": "compressed",
         "config_groups": groups,
         "ignore": sorted(ignored),
-        "kv_cache_scheme": kv_cache_scheme(kv_cache_dtype),
+        "kv_cache_scheme": kv_cache_scheme(kv_cache_dtype, kv_cache_dynamic),
         "global_compression_ratio": None,
         "sparsity_config": {},
     }
@@ -221,9 +227,15 @@ def group_to_scheme(
     block_size = ()
     if strategy == "block":
         block = weights.get("block_structure")
-        if isinstance(block, str):  # older compressed-tensors wrote "128x128"
-            block = [int(part) for part in block.lower().split("x")]
-        block_size = formats._check_block_size(tuple(block or ()))
+        try:
+            if isinstance(block, str):  # older compressed-tensors wrote "128x128"
+                block = [int(part) for part in block.lower().split("x")]
+            block_size = formats._check_block_size(tuple(block or ()))
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"{where}.weights: strategy 'block' needs block_structure [block_n, block_k] (two positive ints), "
+                f"got {block!r}"
+            ) from error
     elif strategy not in ("tensor", "channel"):
         raise ValueError(f"{where}.weights: unsupported strategy {strategy!r}; expected tensor, channel or block")
     inputs = group.get("input_activations")
@@ -359,6 +371,35 @@ def vllm_incompatibilities(layers: dict[str, Layer]) -> list[str]:
     return lines
 
 
+def transformers_incompatibilities(layers: dict[str, Layer]) -> list[str]:
+    """What transformers' compressed-tensors integration cannot run in a checkpoint of ``layers``.
+
+    Dynamic 1 x 128 group activations need K to be a multiple of 128: transformers reshapes each input
+    row into [K / 128, 128] groups, which fails for any other K (qfp8 runs the partial last group).
+    """
+    size = formats.ACTIVATION_GROUP_SIZE
+    odd = [
+        _name_pattern(name)
+        for name in sorted(layers)
+        if layers[name][0] is not None
+        and layers[name][0].activations == "dynamic"
+        and layers[name][0].activation_scale == "group"
+        and layers[name][1] is not None
+        and layers[name][1][1] % size
+    ]
+    if not odd:
+        return []
+    unique = list(dict.fromkeys(odd))
+    shown = ", ".join(unique[:_SHOWN_NAMES]) + (
+        f" and {len(unique) - _SHOWN_NAMES} more" if len(unique) > _SHOWN_NAMES else ""
+    )
+    return [
+        f"{shown} ({len(odd)} module{'s' if len(odd) != 1 else ''}): in_features not a multiple of {size} with "
+        f"activation_scale='group': transformers splits each input row into groups of {size} and fails on the "
+        "forward pass; use activation_scale='token' for these modules"
+    ]
+
+
 def save_warnings(layers: dict[str, Layer], kv_cache_dtype: torch.dtype | None) -> list[str]:
     """The warning a writer gives for ``layers`` (name -> scheme, shape): none for a standard checkpoint.
 
@@ -375,10 +416,17 @@ def save_warnings(layers: dict[str, Layer], kv_cache_dtype: torch.dtype | None) 
             "wrong; qfp8.from_pretrained reads it. Use float8_e4m3fn (weights and KV cache) for a checkpoint "
             "other readers serve"
         ]
+    messages = []
     problems = vllm_incompatibilities(layers)
-    if not problems:
-        return []
-    return [
-        "vLLM cannot load or run this checkpoint as written (qfp8 and transformers read it):\n"
-        + "\n".join(f"  - {problem}" for problem in problems)
-    ]
+    if problems:
+        messages.append(
+            "vLLM cannot load or run this checkpoint as written (qfp8 and transformers read it):\n"
+            + "\n".join(f"  - {problem}" for problem in problems)
+        )
+    problems = transformers_incompatibilities(layers)
+    if problems:
+        messages.append(
+            "transformers loads this checkpoint but cannot run it (qfp8 runs it):\n"
+            + "\n".join(f"  - {problem}" for problem in problems)
+        )
+    return messages

@@ -323,6 +323,8 @@ def _empty_buffer_slot(model: nn.Module, key: str) -> bool:
         module = model.get_submodule(module_name)
     except AttributeError:
         return False
+    if leaf == "input_scale" and isinstance(module, (QLinear, QExperts)) and module.scheme.activations != "static":
+        return False  # only a static layer has an input_scale
     return leaf in module._buffers and module._buffers[leaf] is None
 
 
@@ -381,7 +383,11 @@ def assign_state(
         if isinstance(module, QExperts):
             _assign_experts(module, name, own, expert_weights.pop(name + ".weight", None))
             continue
-        module.load_state_dict(own, strict=False, assign=True)
+        try:
+            module.load_state_dict(own, strict=False, assign=True)
+        except RuntimeError as error:  # torch's "Error(s) in loading state_dict": the values are unusable
+            problems = "; ".join(str(error).split("\n\t")[1:]) or str(error)
+            raise ValueError(f"{_where(plan, prefix + 'weight')}module {name!r}: {problems}") from None
         _release_if_copied(module, own["weight"])
     result = model.load_state_dict(state, strict=False, assign=True)
     _tie(model)
@@ -527,9 +533,10 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
         for key in unexpected:
             del state[key]
     for name, module in model.named_modules():
-        if isinstance(module, QLinear) and module.input_scale is None and name + ".input_scale" in state:
+        static = isinstance(module, (QLinear, QExperts)) and module.scheme.activations == "static"
+        if isinstance(module, QLinear) and static and module.input_scale is None and name + ".input_scale" in state:
             module.input_scale = torch.ones(1, device=module.weight_scale.device)  # a slot for the stored scale
-        if isinstance(module, QExperts) and name + ".input_scale" in state:
+        if isinstance(module, QExperts) and static and name + ".input_scale" in state:
             for expert in module.experts:
                 if expert.input_scale is None:
                     expert.input_scale = torch.ones(1, device=expert.weight_scale.device)
@@ -554,6 +561,29 @@ def _build_model(transformers, config, dtype: torch.dtype) -> nn.Module:
         ):
             return cls._from_config(config, dtype=dtype)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _compute_dtype(dtype, config_dtype) -> torch.dtype:
+    """``from_pretrained``'s ``dtype`` argument as a float dtype: None or "auto" take the config's (else float32)."""
+    if dtype is None or dtype == "auto":
+        dtype = config_dtype or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        return dtype if dtype in COMPUTE_DTYPES else torch.float32
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(named, torch.dtype):
+        raise TypeError(
+            f"from_pretrained: dtype must be a torch.dtype or its name (torch.bfloat16 or 'bfloat16'), got {dtype!r}"
+        )
+    if named not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"from_pretrained: dtype {dtype!r} is not a dtype to compute in; expected one of "
+            f"{[str(d).removeprefix('torch.') for d in COMPUTE_DTYPES]} or 'auto' (FP8 weights stay FP8 either way)"
+        )
+    return named
 
 
 def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
@@ -585,9 +615,7 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     config = transformers.AutoConfig.from_pretrained(checkpoint.directory)
     with contextlib.suppress(AttributeError):
         del config.quantization_config  # qfp8 does the quantization; transformers must not
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = _compute_dtype(dtype, getattr(config, "dtype", None))
     with _empty_weights():
         model = _build_model(transformers, config, dtype)
     schemes, state, expert_weights = checkpoint_to_model(model, plan.schemes, plan.state_dict(mmap=True))

@@ -24,8 +24,10 @@ import json
 import math
 import os
 import re
+import signal
 import struct
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,6 +239,22 @@ def is_temporary_file(name: str) -> bool:
     return bool(TEMP_FILE.fullmatch(name) or OLD_TEMP_FILE.fullmatch(name))
 
 
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """SIGINT (Ctrl-C) received inside the block is delivered when it ends (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            signal.raise_signal(signal.SIGINT)
+
+
 class AtomicDirectoryWrite:
     """Files written under temporary names in ``directory``, renamed into place together at the end.
 
@@ -283,16 +301,32 @@ class AtomicDirectoryWrite:
             os.fsync(f.fileno())
 
     def commit(self, stale: Iterable[str] = ()) -> None:
-        # Index and config last: a reader never sees an index naming shards
-        # that are not yet in place.
+        """Renames the files into place and removes ``stale`` ones; Ctrl-C waits until all is done.
+
+        Order: shards, then an older single ``model.safetensors`` that a
+        sharded checkpoint replaces (readers take that file before an index),
+        then the index and ``config.json``, then the other stale files. A
+        process killed between two renames thus leaves either the old files
+        or a folder no reader loads, never old weights under a new config.
+        """
         last = ("model.safetensors.index.json", "config.json")
-        order = sorted(self.pending, key=lambda name: name in last)
-        for name in order:
-            os.replace(self.pending[name], self.directory / name)
-        self.pending.clear()
-        for name in stale:
-            with contextlib.suppress(FileNotFoundError):
-                (self.directory / name).unlink()
+        stale = list(stale)
+        early = [
+            name for name in stale if name == "model.safetensors" and "model.safetensors.index.json" in self.pending
+        ]
+        with _interrupts_deferred():
+            for name in [n for n in self.pending if n not in last]:
+                os.replace(self.pending[name], self.directory / name)
+            for name in early:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.directory / name).unlink()
+            for name in [n for n in last if n in self.pending]:
+                os.replace(self.pending[name], self.directory / name)
+            self.pending.clear()
+            for name in stale:
+                if name not in early:
+                    with contextlib.suppress(FileNotFoundError):
+                        (self.directory / name).unlink()
 
     def abort(self) -> None:
         for tmp in self.pending.values():

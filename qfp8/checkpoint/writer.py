@@ -232,7 +232,17 @@ def model_quantization_config(model: nn.Module, layers: dict[str, qconfig.Layer]
     ignored = [name for name, (scheme, _) in layers.items() if scheme is None]
     if not schemes:
         raise ValueError("save_pretrained: the model has no QLinear; call qfp8.quantize(model, ...) first")
-    return qconfig.build_quantization_config(schemes, ignored, getattr(model, "qfp8_kv_cache_dtype", None))
+    kv_dtype = getattr(model, "qfp8_kv_cache_dtype", None)
+    return qconfig.build_quantization_config(schemes, ignored, kv_dtype, kv_dtype is not None and not _kv_scales(model))
+
+
+def _kv_scales(model: nn.Module) -> bool:
+    """Whether any attention layer of ``model`` has a calibrated ``k_scale`` or ``v_scale`` to write."""
+    return any(
+        getattr(module, "k_scale", None) is not None or getattr(module, "v_scale", None) is not None
+        for module in model.modules()
+        if hasattr(module, "qfp8_kv_dtype")
+    )
 
 
 def _shards(plan: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
@@ -410,6 +420,14 @@ def save_pretrained(
     check_calibrated(model, "save_pretrained")
     for message in qconfig.save_warnings(layers, getattr(model, "qfp8_kv_cache_dtype", None)):
         warnings.warn(message, UserWarning, stacklevel=2)
+    if config["quantization_config"]["kv_cache_scheme"] and config["quantization_config"]["kv_cache_scheme"]["dynamic"]:
+        warnings.warn(
+            "the FP8 KV cache is not calibrated: the checkpoint holds no k_scale/v_scale and its kv_cache_scheme is "
+            "written dynamic (qfp8 takes per-head scales from each prompt; vLLM, which reads only static scales, "
+            "uses 1.0). Run the model under qfp8.calibrate(model) before saving to write per-layer scales",
+            UserWarning,
+            stacklevel=2,
+        )
     plan = plan_model_tensors(model)
     source = getattr(model, "qfp8_source", None) or config.get("_name_or_path")
     extra = carried_files(source)

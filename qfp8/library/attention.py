@@ -3,7 +3,7 @@
 ``fp8_decode_attention(query, key_cache, value_cache, key_scale, value_scale,
 mask, scaling)``: one query token per sequence (``query`` ``[B, Hq, 1, D]``)
 against FP8 caches ``[B, Hkv, S, D]`` (grouped-query: ``Hq`` a multiple of
-``Hkv``) holding ``k / key_scale`` and ``v / value_scale``, scales float32
+``Hkv``) holding ``k / key_scale`` and ``v / value_scale``, each scale float32
 ``[1]`` (per tensor) or ``B * Hkv`` values (per head, ``[B, Hkv, 1, 1]``);
 ``mask`` broadcastable to ``[B, 1, 1, S]``, bool (True attends) or additive
 float, or None. Returns ``softmax(q k^T * scaling + mask) v`` as
@@ -50,9 +50,12 @@ def fp8_decode_attention_reference(query, key_cache, value_cache, key_scale, val
     batch, heads, _, dim = query.shape
     kv_heads, length = key_cache.shape[1], key_cache.shape[2]
     group = heads // kv_heads
-    scale_shape = (batch, kv_heads, 1, 1) if key_scale.numel() != 1 else (1, 1, 1, 1)
-    keys = formats.fp8_to_float(key_cache) * key_scale.to(torch.float32).reshape(scale_shape)
-    values = formats.fp8_to_float(value_cache) * value_scale.to(torch.float32).reshape(scale_shape)
+
+    def scale_shape(scale):
+        return (batch, kv_heads, 1, 1) if scale.numel() != 1 else (1, 1, 1, 1)
+
+    keys = formats.fp8_to_float(key_cache) * key_scale.to(torch.float32).reshape(scale_shape(key_scale))
+    values = formats.fp8_to_float(value_cache) * value_scale.to(torch.float32).reshape(scale_shape(value_scale))
     q = query.to(torch.float32).reshape(batch, kv_heads, group, dim) * scaling
     scores = q @ keys.transpose(-1, -2)  # [B, Hkv, G, S]
     additive = _additive_mask(mask, batch, length)

@@ -493,6 +493,8 @@ class Float8KVAttentionMixin:
         self._kv_rows = ([], [])
 
     def _record_kv_amax(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if not (torch.isfinite(key_states).any() and torch.isfinite(value_states).any()):
+            return  # a batch with no finite K or V counts as none (its amax would be 0: a scale that saturates)
         k_amax, v_amax = _finite_abs(key_states).amax(), _finite_abs(value_states).amax()
         if self._kv_amax is not None:
             k_amax, v_amax = torch.maximum(k_amax, self._kv_amax[0]), torch.maximum(v_amax, self._kv_amax[1])
@@ -691,7 +693,13 @@ def _load_state_dict_pre_hook(model, state_dict, prefix, *args) -> None:
                     raise ValueError(
                         f"{key}: an FP8 KV-cache scale is per tensor (1 value), got shape {tuple(value.shape)}"
                     )
-                state_dict[key] = value.detach().reshape(1).to(torch.float32)
+                value = value.detach().reshape(1).to(torch.float32)
+                if value.device.type != "meta" and not bool(torch.isfinite(value).all() and (value > 0).all()):
+                    raise ValueError(
+                        f"{key}: an FP8 KV-cache scale must be finite and > 0, got {value.item()} (it would give NaN "
+                        "or wrong attention)"
+                    )
+                state_dict[key] = value
                 if getattr(attention, scale_name) is None:
                     device = attention.k_proj.weight.device if hasattr(attention.k_proj, "weight") else None
                     with torch.inference_mode(False):  # a normal tensor even when loading under inference mode
@@ -763,9 +771,10 @@ def enable_fp8_kv_cache(
     attention = getattr(config, "_attn_implementation", None)
     if fused_attention and attention in ("sdpa", PACKED_SDPA):
         _register_fused_attention()
+        model._qfp8_attention_before_fused = attention
         config._attn_implementation = FUSED_ATTENTION
     elif not fused_attention and attention == FUSED_ATTENTION:  # enabled before with the fused path: switch back
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = getattr(model, "_qfp8_attention_before_fused", "sdpa")
     return list(modules)
 
 

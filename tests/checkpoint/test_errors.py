@@ -211,3 +211,59 @@ def test_a_destination_behind_a_dangling_link_is_refused_before_any_work(tmp_pat
         check_output_directory(link / "sub", "DST")
     check_output_directory(tmp_path / "new" / "folder", "DST")  # a plain missing folder is fine: it would be created
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the check leaves nothing behind
+
+
+@pytest.mark.parametrize(
+    "dtype, error, match",
+    [
+        ("bf16", TypeError, r"dtype must be a torch.dtype or its name .* got 'bf16'"),
+        (3, TypeError, r"dtype must be a torch.dtype or its name .* got 3"),
+        (torch.float8_e4m3fn, ValueError, r"dtype torch.float8_e4m3fn is not a dtype to compute in"),
+        ("int8", ValueError, r"dtype 'int8' is not a dtype to compute in"),
+    ],
+)
+def test_from_pretrained_refuses_a_bad_dtype(saved, dtype, error, match):
+    with pytest.raises(error, match=match):
+        qfp8.from_pretrained(saved, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["auto", None, "bfloat16", torch.float16])
+def test_from_pretrained_dtype_names_and_auto(saved, dtype):
+    model = qfp8.from_pretrained(saved, dtype=dtype)
+    expected = {"bfloat16": torch.bfloat16, torch.float16: torch.float16}.get(dtype, torch.float32)
+    assert model.model.norm.weight.dtype == expected  # the tiny model's config says float32
+
+
+def test_nan_weight_codes_in_a_checkpoint_are_refused(saved):
+    def poison(tensors):
+        tensors["model.layers.1.mlp.down_proj.weight"].view(torch.uint8)[3, 7] = 0x7F
+
+    _rewrite(saved, poison)
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: module 'model.layers.1.mlp.down_proj': weight: .*"
+        r"NaN/Inf code \(0x7F\) at \[3, 7\]",
+    ):
+        qfp8.from_pretrained(saved)
+
+
+def test_fp8_weights_without_a_config_name_the_missing_config(saved):
+    (saved / "config.json").unlink()
+    with pytest.raises(
+        ValueError,
+        match=r"is an torch.float8_e4m3fn \[\d+, \d+\] weight, but the folder has no "
+        r"config.json: qfp8 cannot tell how it is quantized",
+    ):
+        qfp8.from_pretrained(saved)
+
+
+def test_block_strategy_without_block_structure_names_the_config_key(saved):
+    config = json.loads((saved / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "block"
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError,
+        match=r"config.json: config_groups.group_0.weights: strategy 'block' needs "
+        r"block_structure \[block_n, block_k\] .*got None",
+    ):
+        qfp8.from_pretrained(saved)

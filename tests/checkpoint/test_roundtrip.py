@@ -183,6 +183,33 @@ def test_interrupted_save_leaves_old_checkpoint(tiny, tmp_path, monkeypatch, x):
         assert torch.equal(qfp8.from_pretrained(tmp_path)(x).logits, old(x).logits)
 
 
+def test_ctrl_c_during_the_renames_waits_for_the_whole_new_checkpoint(tiny, tmp_path, monkeypatch, x):
+    """A real SIGINT arriving between the renames of the commit is delivered once every file is in place."""
+    import os
+    import signal
+
+    old = quantized_model(tiny, SCHEMES["w-channel"])
+    qfp8.save_pretrained(old, tmp_path)  # one model.safetensors; the new checkpoint is sharded
+    new = quantized_model(tiny, SCHEMES["w-tensor"])
+    real_replace, renamed = os.replace, []
+
+    def replace_then_interrupt(src, dst):
+        real_replace(src, dst)
+        renamed.append(os.path.basename(dst))
+        if len(renamed) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(os, "replace", replace_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        qfp8.save_pretrained(new, tmp_path, max_shard_size="40KB")
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert renamed[-2:] == ["model.safetensors.index.json", "config.json"]
+    assert not (tmp_path / "model.safetensors").exists()  # the old single file, which readers would prefer
+    with torch.no_grad():
+        assert torch.equal(qfp8.from_pretrained(tmp_path)(x).logits, new(x).logits)
+
+
 def test_tokenizer_and_generation_files_are_carried(tiny, tmp_path):
     source = tmp_path / "source"
     model = quantized_model(tiny, SCHEMES["w-channel"])

@@ -208,7 +208,8 @@ def test_block_shapes_vllm_cannot_run_warn(tiny, tmp_path):
     model = calibrated(
         tiny, tiny.model(), weight_scale="block", activations="dynamic", activation_scale="group", exclude=()
     )
-    (message,) = save(model, tmp_path / "hidden64")
+    message, for_transformers = save(model, tmp_path / "hidden64")
+    assert for_transformers.startswith("transformers loads this checkpoint but cannot run it")  # K = 64 groups
     assert "K = 64 is not a multiple of block_n = 128" in message
     assert "K = 128 is not" not in message  # down_proj: K = intermediate = 128
     assert "model.layers.*.self_attn.qkv_proj (2 modules): q_proj N = 64 is not a multiple" in message
@@ -286,3 +287,47 @@ def test_reader_refuses_asymmetric_groups(tiny, tmp_path, args):
     write_config(tmp_path, qc)
     with pytest.raises(ValueError, match=rf"config\.json: config_groups\.group_0\.{args}: symmetric=False"):
         qfp8.from_pretrained(tmp_path)
+
+
+def test_group_activations_with_k_not_a_multiple_of_128_warn_for_transformers(tiny, tmp_path, x):
+    # hidden 128, intermediate 200: down_proj alone has K = 200.
+    model = tiny.model(hidden_size=128, intermediate_size=200, num_attention_heads=2, num_key_value_heads=1)
+    qfp8.quantize(model, activations="dynamic", activation_scale="group")
+    (message,) = save(model, tmp_path)
+    assert message.startswith("transformers loads this checkpoint but cannot run it")
+    assert "model.layers.*.mlp.down_proj (2 modules): in_features not a multiple of 128" in message
+    assert "q_proj" not in message
+    # What the warning says: transformers loads the folder and fails on the forward pass; qfp8 runs it.
+    loaded = tiny_transformers_load(tmp_path)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError):
+            loaded(x)
+        assert torch.isfinite(qfp8.from_pretrained(tmp_path)(x).logits).all()
+
+
+def test_group_activations_with_aligned_k_save_without_warning(tiny, tmp_path, x):
+    model = tiny.model(**ALIGNED)
+    qfp8.quantize(model, activations="dynamic", activation_scale="group")
+    assert save(model, tmp_path) == []
+    with torch.no_grad():
+        torch.testing.assert_close(tiny_transformers_load(tmp_path)(x).logits, model(x).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_an_uncalibrated_kv_cache_is_written_dynamic_with_a_warning(tiny, tmp_path, x):
+    model = tiny.model()
+    qfp8.quantize(model, kv_cache="float8_e4m3fn")
+    (message,) = save(model, tmp_path / "dynamic")
+    assert message.startswith("the FP8 KV cache is not calibrated") and "qfp8.calibrate" in message
+    scheme = quantization_config(tmp_path / "dynamic")["kv_cache_scheme"]
+    assert scheme["dynamic"] is True and scheme["strategy"] == "tensor"  # vLLM validates the strategy
+    assert not [k for k in tiny.tensors(tmp_path / "dynamic") if k.endswith(("k_scale", "v_scale"))]
+    loaded = qfp8.from_pretrained(tmp_path / "dynamic")
+    attention = loaded.model.layers[0].self_attn
+    assert loaded.qfp8_kv_cache_dtype == torch.float8_e4m3fn and attention.k_scale is None
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+    # Calibrated: static, no warning.
+    with torch.no_grad(), qfp8.calibrate(model):
+        model(x)
+    assert save(model, tmp_path / "static") == []
+    assert quantization_config(tmp_path / "static")["kv_cache_scheme"]["dynamic"] is False

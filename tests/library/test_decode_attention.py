@@ -105,6 +105,17 @@ def test_matches_float64(isa, shape, dtype, per_head):
     assert relative_error(out, float64_attention(query.bfloat16(), kq, vq, ks, vs, mask, scaling)) <= 1e-2
 
 
+@pytest.mark.parametrize("per_head_key", [False, True], ids=["k-tensor-v-head", "k-head-v-tensor"])
+def test_one_scale_per_tensor_and_the_other_per_head(isa, per_head_key):
+    # A layer with one static scale and one dynamic (a checkpoint that lacks one of the two).
+    query, kq, vq, ks_head, vs_head = make_case(3, 8, 2, 40, 64, torch.float8_e4m3fn, True, seed=4)
+    ks, vs = (ks_head, vs_head.amax().reshape(1)) if per_head_key else (ks_head.amax().reshape(1), vs_head)
+    out = torch.ops.qfp8.fp8_decode_attention(query, kq, vq, ks, vs, None, 0.125)
+    assert relative_error(out, float64_attention(query, kq, vq, ks, vs, None, 0.125)) <= 1e-5
+    reference = attention.fp8_decode_attention_reference(query, kq, vq, ks, vs, None, 0.125)
+    assert relative_error(out, reference.double()) <= 1e-5
+
+
 def test_additive_mask_and_masked_rows_are_never_read(isa):
     query, kq, vq, ks, vs = make_case(2, 4, 2, 64, 64, torch.float8_e4m3fn, False, seed=3)
     minimum = torch.finfo(torch.float32).min

@@ -111,6 +111,20 @@ def _llama(attn="sdpa", seed=0, kv_heads=2):
     return LlamaForCausalLM(config).eval()
 
 
+def test_turning_the_fused_kv_attention_off_restores_the_packed_sdpa():
+    from qfp8.nn import kv_cache as kvc
+
+    model, _ = qfp8.quantize(_llama())
+    kvc.enable_fp8_kv_cache(model)
+    assert model.config._attn_implementation == kvc.FUSED_ATTENTION
+    kvc.enable_fp8_kv_cache(model, fused_attention=False)
+    assert model.config._attn_implementation == attention.PACKED_SDPA
+    plain = _llama()
+    kvc.enable_fp8_kv_cache(plain)
+    kvc.enable_fp8_kv_cache(plain, fused_attention=False)
+    assert plain.config._attn_implementation == "sdpa"
+
+
 def test_quantize_switches_sdpa_models_and_says_so():
     model, report = qfp8.quantize(_llama())
     assert model.config._attn_implementation == attention.PACKED_SDPA

@@ -410,6 +410,39 @@ def test_missing_scale_falls_back_to_dynamic_with_one_warning(base_model, prompt
         reloaded(prompt, cache=cache, use_cache=True)
     assert cache.layers[0].key_scale.shape == (2, 2, 1, 1)  # dynamic per-head for the missing one
     assert cache.layers[0].scale_nbytes() == 2 * 2 * 4  # only the dynamic K scale is in use
+    # Decode steps read the cache with one static and one per-head scale (the fused kernel takes them mixed):
+    # the same tokens and logits as the dequantize-then-SDPA path.
+    tokens, logits = _greedy(reloaded, prompt, DynamicCache(config=reloaded.config), steps=3)
+    kvc.enable_fp8_kv_cache(reloaded, fused_attention=False)
+    unfused_tokens, unfused_logits = _greedy(reloaded, prompt, DynamicCache(config=reloaded.config), steps=3)
+    assert torch.equal(tokens, unfused_tokens)
+    torch.testing.assert_close(logits, unfused_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.0])
+def test_unusable_scale_values_are_refused(base_model, value):
+    model = copy.deepcopy(base_model)
+    kvc.enable_fp8_kv_cache(model)
+    state = model.state_dict()
+    state["model.layers.1.self_attn.v_scale"] = torch.tensor([value])
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.v_scale: .*finite and > 0"):
+        model.load_state_dict(state, strict=False)
+
+
+def test_calibration_that_sees_no_finite_value_leaves_the_cache_dynamic(base_model):
+    model = copy.deepcopy(base_model)
+    kvc.enable_fp8_kv_cache(model)
+    embeds = torch.full((1, 8, model.config.hidden_size), float("nan"))
+    with torch.no_grad(), qfp8.calibrate(model):
+        model(inputs_embeds=embeds)
+    for attention in kvc.attention_modules(model).values():
+        assert attention.k_scale is None and attention.v_scale is None
+    # A finite batch in the same block still calibrates.
+    with torch.no_grad(), qfp8.calibrate(model):
+        model(inputs_embeds=embeds)
+        model(torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(3)))
+    for attention in kvc.attention_modules(model).values():
+        assert torch.isfinite(attention.k_scale).all() and attention.k_scale.item() > 1e-6
 
 
 def test_bad_scale_shape_is_refused(base_model):

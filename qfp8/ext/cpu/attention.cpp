@@ -37,12 +37,19 @@ at::Tensor fp8_decode_attention(const at::Tensor& query, const at::Tensor& key_c
   const at::Tensor q = (query.to(at::kFloat) * scaling).contiguous();
   const at::Tensor k = key_cache.contiguous().view(at::kByte);
   const at::Tensor v = value_cache.contiguous().view(at::kByte);
-  const at::Tensor ks = key_scale.to(at::kFloat).contiguous();
-  const at::Tensor vs = value_scale.to(at::kFloat).contiguous();
-  const bool per_head = ks.numel() != 1;
-  TORCH_CHECK((ks.numel() == 1 || ks.numel() == B * Hkv) && vs.numel() == ks.numel(),
+  at::Tensor ks = key_scale.to(at::kFloat).reshape({-1});
+  at::Tensor vs = value_scale.to(at::kFloat).reshape({-1});
+  TORCH_CHECK((ks.numel() == 1 || ks.numel() == B * Hkv) && (vs.numel() == 1 || vs.numel() == B * Hkv),
               "qfp8.fp8_decode_attention: scales must have 1 or B * Hkv = ", B * Hkv, " elements, got ", ks.numel(),
               " and ", vs.numel());
+  // One per tensor, the other per head (a layer with only one static scale): both per head.
+  const bool per_head = ks.numel() != 1 || vs.numel() != 1;
+  if (per_head) {
+    ks = ks.expand({B * Hkv});
+    vs = vs.expand({B * Hkv});
+  }
+  ks = ks.contiguous();
+  vs = vs.contiguous();
   at::Tensor additive;
   if (mask.has_value() && mask->defined()) {
     const at::Tensor& m = *mask;
