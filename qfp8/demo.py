@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import time
 
 import torch
@@ -106,6 +107,14 @@ def run(args: argparse.Namespace) -> int:
     unknown = [name for name in names if name not in SCHEMES]
     if unknown:
         raise ValueError(f"demo: unknown scheme(s) {unknown}; expected from {list(SCHEMES)}")
+    if not names:
+        raise ValueError(f"demo: --schemes names no scheme; expected from {list(SCHEMES)}")
+    if args.json:  # checked before the work, not after it
+        target = os.path.abspath(args.json)
+        if os.path.isdir(target):
+            raise ValueError(f"demo: --json {args.json} is a folder; give a file path")
+        if not os.path.isdir(os.path.dirname(target)):
+            raise FileNotFoundError(f"demo: --json {args.json}: the folder {os.path.dirname(target)} does not exist")
     if args.quick:
         args.max_new_tokens, args.ppl_windows, args.window_length, args.calibration_windows = 4, 1, 64, 1
     accuracy = None if args.accuracy == "none" else args.accuracy
@@ -114,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     float_model, tokenizer = evaluate.load_model(args.model)
     base = float_model.to(torch.bfloat16)
     ids = prompt_ids(tokenizer, args.prompt)
+    if ids.numel() == 0:
+        raise ValueError("demo: --prompt gives no tokens (an empty prompt, and the model has no chat template)")
     windows = evaluate.evaluation_windows(tokenizer, args.ppl_windows, "pydoc_data", args.window_length)
     calibration = evaluate.calibration_windows(tokenizer, args.calibration_windows, args.window_length)
     print(

@@ -116,6 +116,42 @@ def test_quantize_kv_cache_of_a_sliding_window_mistral(tmp_path):
     assert out.shape == (1, 10)
 
 
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda c: transformers.LlamaForSequenceClassification(c),  # a "score" head
+        lambda c: transformers.LlamaModel(c),  # no head: names without the "model." prefix
+    ],
+    ids=["classifier", "headless"],
+)
+def test_quantize_models_that_are_not_causal_lms(tmp_path, build):
+    """The CLI finds the linears of the class config.json names, as in-memory quantize does, and writes the
+    same tensors."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_labels=3, pad_token_id=0,
+    )  # fmt: skip
+    float_model = build(config).eval()
+    float_model.save_pretrained(tmp_path / "float")
+    assert cli.main(["quantize", str(tmp_path / "float"), str(tmp_path / "cli"), "--no-progress"]) == 0
+    reference, _ = qfp8.quantize(type(float_model).from_pretrained(tmp_path / "float").eval())
+    qfp8.save_pretrained(reference, tmp_path / "memory")
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / "cli" / "model.safetensors")
+    expected = load_file(tmp_path / "memory" / "model.safetensors")
+    assert written.keys() == expected.keys()
+    for key, value in written.items():
+        assert value.dtype == expected[key].dtype and torch.equal(
+            value.view(torch.uint8), expected[key].view(torch.uint8)
+        ), key
+    ids = torch.randint(1, 100, (1, 7))
+    loaded = type(float_model).from_pretrained(tmp_path / "cli").eval()  # transformers reads it
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids)[0], reference(ids)[0], rtol=1e-4, atol=1e-4)
+
+
 class CalibrationStarted(Exception):
     pass
 
@@ -175,3 +211,49 @@ def test_unreadable_calibration_file_is_one_line_naming_it(float_folder, tmp_pat
     assert status == 2
     assert err.startswith(f"qfp8 quantize: error: {expected}") and err.count("\n") == 1, err
     assert not dst.exists()
+
+
+@pytest.fixture(scope="module")
+def folder_with_tokenizer(tmp_path_factory):
+    """A tiny float Llama with a word-level tokenizer and no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("with_tokenizer")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    words = {"[UNK]": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate("the a of to and in is it".split())}}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="</s>").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case", ["json-is-a-folder", "json-folder-missing", "no-schemes", "empty-prompt"])
+def test_demo_argument_errors_come_before_the_work(folder_with_tokenizer, tmp_path, monkeypatch, capsys, case):
+    monkeypatch.delenv("QFP8_TRACEBACK", raising=False)
+    args = ["demo", "--model", folder_with_tokenizer, "--quick", "--schemes", "bf16"]
+    expected = {
+        "json-is-a-folder": f"--json {tmp_path} is a folder",
+        "json-folder-missing": f"the folder {tmp_path / 'nowhere'} does not exist",
+        "no-schemes": "--schemes names no scheme",
+        "empty-prompt": "--prompt gives no tokens",
+    }[case]
+    if case == "json-is-a-folder":
+        args += ["--json", tmp_path]
+    elif case == "json-folder-missing":
+        args += ["--json", tmp_path / "nowhere" / "out.json"]
+    elif case == "no-schemes":
+        args[-1] = ","
+    else:
+        args += ["--prompt", ""]
+    loaded = []
+    if case != "empty-prompt":  # these are refused before the model is loaded
+        monkeypatch.setattr("qfp8.evaluate.load_model", lambda *a, **k: loaded.append(1))
+    status, err = command_line(monkeypatch, capsys, *args)
+    assert status == 2 and not loaded
+    last = err.splitlines()[-1]  # transformers' loading progress bar may come first
+    assert last.startswith("qfp8 demo: error: demo: ") and expected in last and "Traceback" not in err, err

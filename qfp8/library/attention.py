@@ -14,7 +14,7 @@ registers and never reads a masked position: a static cache costs what its
 filled part costs, and no float copy of the cache is made. Elsewhere (and
 when the extension is missing) the reference below runs: dequantize through
 the lookup table, then the same arithmetic in float32. A sequence whose every
-position is masked gets zeros (SDPA would give NaN).
+position is masked, or an empty cache, gets zeros (SDPA would give NaN).
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def _additive_mask(mask: torch.Tensor | None, batch: int, length: int) -> torch.
 def fp8_decode_attention_reference(query, key_cache, value_cache, key_scale, value_scale, mask, scaling):
     batch, heads, _, dim = query.shape
     kv_heads, length = key_cache.shape[1], key_cache.shape[2]
+    if length == 0:  # an empty cache: nothing to attend to, zeros (as for a fully masked sequence)
+        return query.new_zeros(query.shape)
     group = heads // kv_heads
 
     def scale_shape(scale):

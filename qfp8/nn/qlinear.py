@@ -416,6 +416,8 @@ class QLinear(nn.Module):
                 )
         super().__setattr__(name, value)
         self.__dict__["_fast"] = None
+        if name == "input_scale" and "_kernel_op" in self.__dict__:
+            self._bind_op()  # a static layer calibrated or un-calibrated by hand
 
     def __delattr__(self, name):
         super().__delattr__(name)
@@ -427,6 +429,9 @@ class QLinear(nn.Module):
         return f"{self.label} " if self.label else ""
 
     def _uncalibrated(self, *args):
+        if self.is_calibrated:  # a scale put in place since the op was bound (_buffers, register_buffer)
+            self._bind_op()
+            return self._op(*args)
         raise RuntimeError(
             f"{self._placed}QLinear({self.in_features} -> {self.out_features}) has static activation scales but "
             "was never calibrated: run `with qfp8.calibrate(model): model(batch)` over calibration data first "

@@ -116,6 +116,14 @@ def test_one_scale_per_tensor_and_the_other_per_head(isa, per_head_key):
     assert relative_error(out, reference.double()) <= 1e-5
 
 
+def test_empty_cache_gives_zeros(isa):
+    query, kq, vq, ks, vs = make_case(2, 4, 2, 1, 16, torch.float8_e4m3fn, True, seed=5)
+    empty_k, empty_v = kq[:, :, :0], vq[:, :, :0]
+    for op in (torch.ops.qfp8.fp8_decode_attention, attention.fp8_decode_attention_reference):
+        out = op(query, empty_k, empty_v, ks, vs, None, 0.25)
+        assert out.shape == query.shape and torch.equal(out, torch.zeros_like(query))
+
+
 def test_additive_mask_and_masked_rows_are_never_read(isa):
     query, kq, vq, ks, vs = make_case(2, 4, 2, 64, 64, torch.float8_e4m3fn, False, seed=3)
     minimum = torch.finfo(torch.float32).min

@@ -9,6 +9,7 @@ from torch import nn
 
 import qfp8
 from qfp8 import formats
+from qfp8.nn import QuantizationScheme
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
 
@@ -117,3 +118,26 @@ def test_load_keeps_the_bias_parameter():
     assert torch.equal(bias.detach(), state["0.bias"])
     model(torch.randn(2, 16)).sum().backward()
     assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("route", ["attribute", "buffers", "register_buffer"])
+def test_an_input_scale_put_in_place_by_hand_is_used(route):
+    scheme = QuantizationScheme.from_args(activations="static")
+    weight = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    reference = qfp8.QLinear.from_weight(weight, None, scheme, "reference")
+    reference.input_scale = torch.tensor([0.01])
+    layer = qfp8.QLinear.from_weight(weight, None, scheme, "layer")
+    x = torch.randn(3, 16)
+    with pytest.raises(RuntimeError, match="never calibrated"):
+        layer(x)
+    scale = torch.tensor([0.01])
+    if route == "attribute":
+        layer.input_scale = scale
+    elif route == "buffers":
+        layer._buffers["input_scale"] = scale
+    else:
+        layer.register_buffer("input_scale", scale)
+    assert torch.equal(layer(x), reference(x))
+    layer.input_scale = None  # back to uncalibrated: the layer's own message, not the op's
+    with pytest.raises(RuntimeError, match=r"QLinear\(16 -> 8\) has static activation scales but was never calibrated"):
+        layer(x)

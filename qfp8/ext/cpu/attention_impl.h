@@ -45,7 +45,7 @@ void decode_attention_tasks(const DecodeAttention& a, int64_t task_begin, int64_
     }
     for (int64_t g = 0; g < G; ++g) {
       float* sg = scores + g * S;
-      const float top = *std::max_element(sg, sg + S);
+      const float top = S > 0 ? *std::max_element(sg, sg + S) : neg_inf;  // an empty cache: zeros
       if (top == neg_inf) {
         std::fill(sg, sg + S, 0.0f);
         total[g] = 0.0f;
