@@ -257,3 +257,20 @@ def test_demo_argument_errors_come_before_the_work(folder_with_tokenizer, tmp_pa
     assert status == 2 and not loaded
     last = err.splitlines()[-1]  # transformers' loading progress bar may come first
     assert last.startswith("qfp8 demo: error: demo: ") and expected in last and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--block-size", "64", "64"], "--block-size applies to --weight-scale block, not channel"),
+        (["--activation-scale", "group"], "--activation-scale applies to --activations dynamic"),
+        (["--activations", "static", "--activation-scale", "token"], "(static input scales are per tensor)"),
+        (["--calibration-tokens", "64"], "--calibration-tokens: nothing to calibrate"),
+        (["--kv-cache", "float8_e4m3fn", "--calibration", "a.txt", "--calibration-ids", "b.txt"], "not both"),
+    ],
+)
+def test_quantize_refuses_options_it_would_ignore(float_folder, tmp_path, monkeypatch, capsys, options, message):
+    monkeypatch.delenv("QFP8_TRACEBACK", raising=False)
+    status, err = command_line(monkeypatch, capsys, "quantize", float_folder, tmp_path / "out", *options)
+    assert status == 2 and err.startswith("qfp8 quantize: error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()

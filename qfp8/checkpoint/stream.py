@@ -422,7 +422,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="float8_e4m3fn", choices=sorted(formats.FP8_DTYPES))
     parser.add_argument("--weight-scale", default="channel", choices=formats.WEIGHT_GRANULARITIES)
     parser.add_argument(
-        "--block-size", type=int, nargs=2, default=list(formats.DEFAULT_BLOCK_SIZE), metavar=("BN", "BK")
+        "--block-size",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("BN", "BK"),
+        help=f"with --weight-scale block (default {list(formats.DEFAULT_BLOCK_SIZE)})",
     )
     parser.add_argument(
         "--activations",
@@ -432,9 +437,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--activation-scale",
-        default="token",
+        default=None,
         choices=formats.ACTIVATION_GRANULARITIES,
-        help="dynamic scales' granularity; static scales are per tensor. token-mse: per-token scales searched by "
+        help="dynamic scales' granularity (default token); static scales are per tensor. token-mse: per-token scales searched by "
         "qfp8's kernels for the least rounding error (written as dynamic token: vLLM computes amax / fmax)",
     )
     parser.add_argument(
@@ -501,7 +506,38 @@ def sigterm_as_exit():
             signal.signal(signal.SIGTERM, previous)
 
 
+def check_option_combinations(args: argparse.Namespace) -> None:
+    """Options that would be ignored as given are user errors: the user meant something else."""
+    if args.block_size is not None and args.weight_scale != "block":
+        raise ValueError(f"--block-size applies to --weight-scale block, not {args.weight_scale}")
+    static_tensor = args.activations == "static" and args.activation_scale == "tensor"  # what static means anyway
+    if args.activation_scale is not None and args.activations != "dynamic" and not static_tensor:
+        raise ValueError(
+            "--activation-scale applies to --activations dynamic"
+            + (" (static input scales are per tensor)" if args.activations == "static" else "")
+        )
+    if args.calibration is not None and args.calibration_ids is not None:
+        raise ValueError("give --calibration (text) or --calibration-ids (token ids), not both")
+    needs_calibration = args.activations == "static" or args.kv_cache is not None or args.accuracy is not None
+    given = [
+        option
+        for option, value in (
+            ("--calibration", args.calibration),
+            ("--calibration-ids", args.calibration_ids),
+            ("--calibration-tokens", args.calibration_tokens),
+            ("--calibration-batch-size", args.calibration_batch_size),
+        )
+        if value is not None
+    ]
+    if given and not needs_calibration:
+        raise ValueError(
+            f"{', '.join(given)}: nothing to calibrate (calibration runs for --activations static, --kv-cache or "
+            "--accuracy)"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
+    check_option_combinations(args)
     calibration_ids = None
     if args.calibration_ids is not None:
         calibration_ids = read_user_file(args.calibration_ids, "--calibration-ids file", layerwise.read_token_ids)
@@ -512,9 +548,9 @@ def run(args: argparse.Namespace) -> int:
             weights=args.weights,
             weight_scale_granularity=args.weight_scale,
             activations=args.activations,
-            activation_scale=args.activation_scale,
+            activation_scale=args.activation_scale or "token",
             exclude=DEFAULT_EXCLUDE if args.exclude is None else tuple(args.exclude),
-            block_size=tuple(args.block_size),
+            block_size=tuple(args.block_size or formats.DEFAULT_BLOCK_SIZE),
             max_shard_size=args.max_shard_size,
             progress=not args.no_progress,
             kv_cache=args.kv_cache,

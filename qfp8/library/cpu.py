@@ -67,8 +67,16 @@ def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
     return (math.ceil(out_features / TILE_N), math.ceil(in_features / 2), 2 * TILE_N)
 
 
+def _check_fp8(tensor: torch.Tensor, what: str) -> None:
+    if tensor.dtype not in formats.FP8_DTYPES.values():
+        raise TypeError(f"{what} must be an FP8 tensor, got {tensor.dtype}")
+
+
 @torch.library.impl("qfp8::pack_weight_cpu", "CPU")
 def _pack_weight_cpu(weight: torch.Tensor) -> torch.Tensor:
+    _check_fp8(weight, "qfp8::pack_weight_cpu: weight")
+    if weight.dim() != 2:
+        raise ValueError(f"qfp8::pack_weight_cpu: weight must be [N, K], got shape {list(weight.shape)}")
     n, k = weight.shape
     tiles, pairs, _ = packed_shape(n, k)
     padded = torch.zeros(tiles * TILE_N, 2 * pairs, dtype=torch.uint8)
@@ -98,7 +106,15 @@ def _packed_buffer(nbytes: int) -> torch.Tensor:
 
 @torch.library.impl("qfp8::unpack_weight_cpu", "CPU")
 def _unpack_weight_cpu(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    _check_fp8(packed, "qfp8::unpack_weight_cpu: packed")
+    if out_features < 1 or in_features < 1:
+        raise ValueError(f"qfp8::unpack_weight_cpu: sizes must be positive, got [{out_features}, {in_features}]")
     tiles, pairs, _ = packed_shape(out_features, in_features)
+    if tuple(packed.shape) != packed_shape(out_features, in_features):
+        raise ValueError(
+            f"qfp8::unpack_weight_cpu: a packed [{out_features}, {in_features}] weight has shape "
+            f"{list(packed_shape(out_features, in_features))}, got {list(packed.shape)}"
+        )
     grouped = packed.view(torch.uint8).view(tiles, pairs, TILE_N, 2).permute(0, 2, 1, 3)
     full = grouped.reshape(tiles * TILE_N, 2 * pairs)
     return full[:out_features, :in_features].clone().view(packed.dtype)

@@ -13,6 +13,7 @@ then keeps the packed weight and calls the chosen op directly.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -105,10 +106,21 @@ def _known_names() -> set[str]:
     return {REFERENCE_KERNEL.name} | {k.name for entries in _KERNELS.values() for _, k in entries}
 
 
+_WARNED_KERNEL_VALUES: set[str] = set()
+
+
 def select_kernel(request: KernelRequest) -> tuple[LinearKernel, list[str]]:
     """The kernel for ``request`` and, for each better kernel passed over, why."""
-    if os.environ.get("QFP8_KERNEL", "") == "reference":
+    forced = os.environ.get("QFP8_KERNEL", "")
+    if forced == "reference":
         return REFERENCE_KERNEL, ["QFP8_KERNEL=reference"]
+    if forced and forced not in _WARNED_KERNEL_VALUES:
+        _WARNED_KERNEL_VALUES.add(forced)
+        warnings.warn(
+            f"QFP8_KERNEL={forced!r} is not a setting qfp8 knows (only 'reference' forces a route); ignored",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     passed_over = []
     for kernel in registered_kernels(request.device.type):
         reason = kernel.supports(request)

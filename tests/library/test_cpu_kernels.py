@@ -466,3 +466,52 @@ def test_set_unsupported_isa_raises():
     if missing:
         with pytest.raises(ValueError, match=missing[0]):
             cpu.set_cpu_kernel_isa(missing[0])
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: torch.ops.qfp8.pack_weight_cpu(torch.zeros(5, dtype=torch.float8_e4m3fn)), ValueError, r"\[N, K\], got shape \[5\]"),
+        (lambda: torch.ops.qfp8.pack_weight_cpu(torch.zeros(5, 3)), TypeError, "must be an FP8 tensor, got torch.float32"),
+        (lambda: torch.ops.qfp8.unpack_weight_cpu(torch.zeros(1, 2, 64, dtype=torch.float8_e4m3fn), 40, 3), ValueError,
+         r"a packed \[40, 3\] weight has shape \[2, 2, 64\], got \[1, 2, 64\]"),
+        (lambda: torch.ops.qfp8.unpack_weight_cpu(torch.zeros(1, 2, 64, dtype=torch.float8_e4m3fn), 0, 3), ValueError,
+         r"sizes must be positive"),
+    ],
+)  # fmt: skip
+def test_pack_and_unpack_refuse_bad_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_an_unknown_qfp8_kernel_setting_warns_once(monkeypatch):
+    import warnings
+
+    from torch import nn
+
+    import qfp8
+    from qfp8.library import routing
+
+    monkeypatch.setenv("QFP8_KERNEL", "not-a-route")
+    monkeypatch.setattr(routing, "_WARNED_KERNEL_VALUES", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            qfp8.quantize(nn.Sequential(nn.Linear(8, 8)), exclude=())
+    messages = [str(w.message) for w in caught if "QFP8_KERNEL" in str(w.message)]
+    assert messages == [
+        "QFP8_KERNEL='not-a-route' is not a setting qfp8 knows (only 'reference' forces a route); ignored"
+    ]
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5, float("nan"), float("inf")])
+def test_a_static_input_scale_that_is_not_finite_and_positive_is_refused(value):
+    w = torch.randn(8, 16).to(torch.float8_e4m3fn)
+    packed = torch.ops.qfp8.pack_weight_cpu(w)
+    x = torch.randn(2, 16)
+    args = (packed, torch.ones(1), None, torch.tensor([value]), 8, 16, [], "static", torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"static input_scale must be finite and > 0"):
+        torch.ops.qfp8.scaled_linear_cpu(x, *args)
+    assert torch.isfinite(
+        torch.ops.qfp8.scaled_linear_cpu(x, packed, torch.ones(1), None, torch.tensor([0.01]), *args[4:])
+    ).all()

@@ -391,6 +391,8 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
     TORCH_CHECK(input_scale.has_value() && input_scale->numel() == 1 && input_scale->scalar_type() == at::kFloat,
                 op, ": activation='static' needs a float32 input_scale of one element");
     input_scale_data = input_scale->data_ptr<float>();
+    TORCH_CHECK_VALUE(std::isfinite(input_scale_data[0]) && input_scale_data[0] > 0.0f, op,
+                      ": the static input_scale must be finite and > 0, got ", input_scale_data[0]);
   }
   if (mode != kNone) {
     TORCH_CHECK(activation_dtype == at::kFloat8_e4m3fn || activation_dtype == at::kFloat8_e4m3fnuz ||
