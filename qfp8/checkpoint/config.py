@@ -371,33 +371,53 @@ def vllm_incompatibilities(layers: dict[str, Layer]) -> list[str]:
     return lines
 
 
-def transformers_incompatibilities(layers: dict[str, Layer]) -> list[str]:
-    """What transformers' compressed-tensors integration cannot run in a checkpoint of ``layers``.
+# A MoE expert's checkpoint name: transformers stores experts as "<...>.experts.<e>.<part>".
+_EXPERT_NAME = re.compile(r"(^|\.)experts\.\d+\.")
 
-    Dynamic 1 x 128 group activations need K to be a multiple of 128: transformers reshapes each input
-    row into [K / 128, 128] groups, which fails for any other K (qfp8 runs the partial last group).
+
+def transformers_incompatibilities(layers: dict[str, Layer]) -> list[str]:
+    """What transformers' compressed-tensors integration cannot load or run in a checkpoint of ``layers``.
+
+    - Dynamic 1 x 128 group activations need K to be a multiple of 128: transformers reshapes each input
+      row into [K / 128, 128] groups, which fails for any other K (qfp8 runs the partial last group).
+      MoE experts are exempt: transformers dequantizes them to float when it loads them.
+    - Block weight scales on MoE experts: that dequantization takes one scale per row, and the load fails.
     """
     size = formats.ACTIVATION_GROUP_SIZE
-    odd = [
-        _name_pattern(name)
-        for name in sorted(layers)
-        if layers[name][0] is not None
-        and layers[name][0].activations == "dynamic"
-        and layers[name][0].activation_scale == "group"
-        and layers[name][1] is not None
-        and layers[name][1][1] % size
-    ]
-    if not odd:
-        return []
-    unique = list(dict.fromkeys(odd))
-    shown = ", ".join(unique[:_SHOWN_NAMES]) + (
-        f" and {len(unique) - _SHOWN_NAMES} more" if len(unique) > _SHOWN_NAMES else ""
-    )
-    return [
-        f"{shown} ({len(odd)} module{'s' if len(odd) != 1 else ''}): in_features not a multiple of {size} with "
-        f"activation_scale='group': transformers splits each input row into groups of {size} and fails on the "
-        "forward pass; use activation_scale='token' for these modules"
-    ]
+    found: dict[str, list[str]] = {}
+    for name in sorted(layers):
+        scheme, shape = layers[name]
+        if scheme is None:
+            continue
+        expert = bool(_EXPERT_NAME.search(name))
+        if expert and scheme.weight_scale == "block":
+            found.setdefault(
+                "MoE experts with block weight scales: transformers dequantizes experts with one scale per row "
+                "when it loads them and fails on block scales; use weight_scale='channel' for the experts "
+                "(or keep them float) for a checkpoint transformers loads",
+                [],
+            ).append(_name_pattern(name))
+        elif (
+            not expert
+            and scheme.activations == "dynamic"
+            and scheme.activation_scale == "group"
+            and shape is not None
+            and shape[1] % size
+        ):
+            found.setdefault(
+                f"in_features not a multiple of {size} with activation_scale='group': transformers splits each "
+                f"input row into groups of {size} and fails on the forward pass; use activation_scale='token' for "
+                "these modules",
+                [],
+            ).append(_name_pattern(name))
+    lines = []
+    for message, names in found.items():
+        unique = list(dict.fromkeys(names))
+        shown = ", ".join(unique[:_SHOWN_NAMES]) + (
+            f" and {len(unique) - _SHOWN_NAMES} more" if len(unique) > _SHOWN_NAMES else ""
+        )
+        lines.append(f"{shown} ({len(names)} module{'s' if len(names) != 1 else ''}): {message}")
+    return lines
 
 
 def save_warnings(layers: dict[str, Layer], kv_cache_dtype: torch.dtype | None) -> list[str]:
@@ -426,7 +446,7 @@ def save_warnings(layers: dict[str, Layer], kv_cache_dtype: torch.dtype | None) 
     problems = transformers_incompatibilities(layers)
     if problems:
         messages.append(
-            "transformers loads this checkpoint but cannot run it (qfp8 runs it):\n"
+            "transformers cannot load or run this checkpoint as written (qfp8 reads it):\n"
             + "\n".join(f"  - {problem}" for problem in problems)
         )
     return messages

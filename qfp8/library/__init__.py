@@ -6,6 +6,7 @@ the compiled kernels that could be loaded for this machine.
 
 from qfp8.library import (
     attention,  # noqa: F401  (defines torch.ops.qfp8.fp8_decode_attention)
+    experts,  # noqa: F401  (defines torch.ops.qfp8.experts_linear)
     ops,  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
 )
 from qfp8.library.routing import KernelRequest, LinearKernel, kernel_by_name, register_kernel, select_kernel

@@ -247,11 +247,26 @@ class QExperts(nn.Module):
             "weight": (self.shape, self.scheme.weight_dtype),
             "weight_scale": ((self.num_experts, *first.weight_scale.shape), torch.float32),
         }
-        if self.scheme.activations == "static":
+        static = self.scheme.activations == "static"
+        if static and first.input_scale is not None:  # calibrated: the scales are part of the state
             expected["input_scale"] = ((self.num_experts, 1), torch.float32)
+        if strict:  # as QLinear: names this module never has (an input_scale unless static) are unexpected
+            allowed = {*expected, "input_scale"} if static else set(expected)
+            for key in state_dict:
+                if key.startswith(prefix) and key[len(prefix) :] not in allowed:
+                    unexpected_keys.append(key)
         loaded = take_expected(state_dict, prefix, expected, missing_keys, error_msgs)
         if len(loaded) < len(expected):
             return
+        if static and "input_scale" not in expected and prefix + "input_scale" in state_dict:
+            value = state_dict[prefix + "input_scale"]  # fills uncalibrated experts' empty slots
+            if tuple(value.shape) != (self.num_experts, 1):
+                error_msgs.append(
+                    f"{prefix}input_scale: expected float [{self.num_experts}, 1], got {value.dtype} "
+                    f"{list(value.shape)}"
+                )
+                return
+            loaded["input_scale"] = value
         for e, expert in enumerate(self.experts):
             errors: list[str] = []
             expert._load_from_state_dict(
@@ -357,6 +372,8 @@ def experts_forward(
     num_tokens, hidden_dim = hidden_states.shape
     num_top_k = top_k_index.shape[-1]
     up = self.gate_up_proj if self.has_gate else self.up_proj
+    if torch.compiler.is_compiling() and _traceable(up, self.down_proj, hidden_states):
+        return _experts_forward_traced(self, up, hidden_states, top_k_index, top_k_weights)
 
     def expert_output(expert: int, x: torch.Tensor) -> torch.Tensor:
         h = _expert_linear(up, expert, x)
@@ -388,6 +405,55 @@ def experts_forward(
         start += count
         out[rows] = expert_output(expert, selected[rows])
     out *= top_k_weights.reshape(-1)[order, None]
+    final = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=hidden_states.device)
+    return final.index_add_(0, tokens, out).to(hidden_states.dtype)
+
+
+def _traceable(up, down, hidden_states: torch.Tensor) -> bool:
+    """Whether a traced graph can run the layer through ``torch.ops.qfp8.experts_linear``: both weights FP8
+    experts, none calibrating, and no gradient to carry (the op has no backward; the eager loop does)."""
+    return (
+        isinstance(up, QExperts)
+        and isinstance(down, QExperts)
+        and not any(e.calibrating for e in (*up.experts, *down.experts))
+        and not (torch.is_grad_enabled() and hidden_states.requires_grad)
+    )
+
+
+def _experts_linear(weights: QExperts, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    experts, first = weights.experts, weights.experts[0]
+    static = first.scheme.activations == "static"
+    return torch.ops.qfp8.experts_linear(
+        x,
+        expert_ids,
+        [e.qweight for e in experts],
+        [e.weight_scale for e in experts],
+        [e.input_scale for e in experts] if static else [],
+        first.packing,
+        first.scheme.weight_scale,
+        list(first.scheme.block_size),
+        first.scheme.activation_mode,
+        first.scheme.activation_dtype,
+        weights.out_features,
+        weights.in_features,
+    )
+
+
+def _experts_forward_traced(
+    self: nn.Module, up: QExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """:func:`experts_forward` in a traced graph: the same arithmetic with no data-dependent Python (each
+    expert's rows go to its kernel inside ``experts_linear``), so ``fullgraph=True`` compiles it and a new
+    routing does not recompile. Expert ids are checked inside the op, when it runs."""
+    num_tokens, hidden_dim = hidden_states.shape
+    expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    tokens = order // top_k_index.shape[-1]
+    h = _experts_linear(up, hidden_states[tokens], expert_ids)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    h = _experts_linear(self.down_proj, h, expert_ids)
+    if self.has_post_expert_norm:
+        h = self.post_expert_norm(h)
+    out = h.float() * top_k_weights.reshape(-1)[order, None].float()
     final = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=hidden_states.device)
     return final.index_add_(0, tokens, out).to(hidden_states.dtype)
 

@@ -209,7 +209,7 @@ def test_block_shapes_vllm_cannot_run_warn(tiny, tmp_path):
         tiny, tiny.model(), weight_scale="block", activations="dynamic", activation_scale="group", exclude=()
     )
     message, for_transformers = save(model, tmp_path / "hidden64")
-    assert for_transformers.startswith("transformers loads this checkpoint but cannot run it")  # K = 64 groups
+    assert for_transformers.startswith("transformers cannot load or run this checkpoint as written")  # K = 64 groups
     assert "K = 64 is not a multiple of block_n = 128" in message
     assert "K = 128 is not" not in message  # down_proj: K = intermediate = 128
     assert "model.layers.*.self_attn.qkv_proj (2 modules): q_proj N = 64 is not a multiple" in message
@@ -294,7 +294,7 @@ def test_group_activations_with_k_not_a_multiple_of_128_warn_for_transformers(ti
     model = tiny.model(hidden_size=128, intermediate_size=200, num_attention_heads=2, num_key_value_heads=1)
     qfp8.quantize(model, activations="dynamic", activation_scale="group")
     (message,) = save(model, tmp_path)
-    assert message.startswith("transformers loads this checkpoint but cannot run it")
+    assert message.startswith("transformers cannot load or run this checkpoint as written")
     assert "model.layers.*.mlp.down_proj (2 modules): in_features not a multiple of 128" in message
     assert "q_proj" not in message
     # What the warning says: transformers loads the folder and fails on the forward pass; qfp8 runs it.

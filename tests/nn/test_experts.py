@@ -478,18 +478,78 @@ def test_a_checkpoint_with_different_w1_w3_scales_loads_exactly_as_channel_scale
         assert torch.equal(qfp8.from_pretrained(tmp_path / "again")(ids).logits, logits)
 
 
-def test_torch_compile_runs_the_fp8_experts():
-    # transformers' eager experts loop breaks the graph on its data-dependent expert list (as it does
-    # in float); what compile traces between the breaks must still run each expert's W8A8 layer.
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(activations="dynamic"), dict(activations="static"), dict(weight_scale="block", block_size=(32, 32))],
+    ids=["w8a16", "w8a8-token", "w8a8-static", "w8a16-block"],
+)
+def test_decode_compiles_with_fullgraph_and_no_recompile_when_the_routing_changes(arch, kwargs):
+    """Each expert's rows go to its kernel inside torch.ops.qfp8.experts_linear, which compile keeps opaque."""
+    from torch._dynamo.utils import counters
+
+    model = moe(arch)
+    quiet_quantize(model, **kwargs)
+    prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(9))
+    if kwargs.get("activations") == "static":
+        with torch.no_grad(), qfp8.calibrate(model):
+            model(prompt)
     torch._dynamo.reset()
-    model = moe()
-    quiet_quantize(model, activations="dynamic")
-    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(9))
+    counters.clear()
+
+    def step(tokens, cache, position):
+        return model(tokens, past_key_values=cache, use_cache=True, cache_position=position).logits
+
+    compiled = torch.compile(step, fullgraph=True)
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=32) for _ in range(2)]
+    routings = set()
     with torch.no_grad():
-        eager = model(ids).logits
-        compiled = torch.compile(model)(ids).logits
-    assert (compiled - eager).abs().max() < 1e-5
+        for cache in caches:
+            model(prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(6))
+        tokens = prompt[:, -1:].clone()  # contiguous, as the argmax tokens of later steps are
+        for i in range(8):
+            position = torch.tensor([6 + i])
+            got = compiled(tokens, caches[0], position)
+            seen = experts_of(model)[0].register_forward_pre_hook(
+                lambda module, args: routings.add(tuple(args[1].flatten().tolist()))
+            )
+            expected = step(tokens, caches[1], position)  # eager, recording layer 0's routing
+            seen.remove()
+            assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+            tokens = expected[:, -1:].argmax(-1)
+    assert len(routings) > 1  # the routing changed between steps
+    assert counters["stats"]["unique_graphs"] == 1  # one graph, every step (no recompile)
     torch._dynamo.reset()
+
+
+def test_experts_linear_op_checks_ids_and_gives_zeros_to_other_ranks_rows():
+    from qfp8.library.testing import opcheck
+
+    model = moe()
+    quiet_quantize(model)
+    qexperts = model.model.layers[0].mlp.experts.down_proj
+    x = torch.randn(5, qexperts.in_features)
+    ids = torch.tensor([0, 0, 2, 3, 4])  # 4 = num_experts: a pair another rank computes
+    args = (
+        [e.qweight for e in qexperts.experts],
+        [e.weight_scale for e in qexperts.experts],
+        [],
+        qexperts.packing,
+        "channel",
+        [],
+        "none",
+        torch.float8_e4m3fn,
+        qexperts.out_features,
+        qexperts.in_features,
+    )
+    out = torch.ops.qfp8.experts_linear(x, ids, *args)
+    for e in ids.unique().tolist():  # each expert's rows in one call of its layer
+        rows = ids == e
+        expected = qexperts.experts[e](x[rows]) if e < 4 else torch.zeros(int(rows.sum()), qexperts.out_features)
+        assert torch.equal(out[rows], expected), e
+    opcheck(torch.ops.qfp8.experts_linear.default, (x, ids, *args))
+    with pytest.raises(ValueError, match="expert id 5; the layer has experts 0 to 3"):
+        torch.ops.qfp8.experts_linear(x, torch.tensor([0, 1, 2, 3, 5]), *args)
 
 
 def test_a_block_fp8_checkpoint_as_qwen_releases_them_loads_exactly(tmp_path):
@@ -703,3 +763,55 @@ def test_experts_transformers_stores_stacked_are_refused_at_save_with_what_to_ex
     ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(17))
     with torch.no_grad():
         assert torch.equal(qfp8.from_pretrained(tmp_path / "q")(ids).logits, model(ids).logits)
+
+
+def test_torch_load_state_dict_reports_unexpected_keys_under_the_experts():
+    model = moe()
+    quiet_quantize(model)
+    for extra in ("bogus", "input_scale"):  # a W8A16 layer has no input_scale
+        state = dict(model.state_dict())
+        state[f"model.layers.0.mlp.experts.gate_up_proj.{extra}"] = torch.ones(4, 1)
+        with pytest.raises(RuntimeError, match=rf"Unexpected key\(s\).*experts.gate_up_proj.{extra}"):
+            model.load_state_dict(state)
+
+
+def test_an_uncalibrated_static_moe_loads_its_own_state_dict_and_a_calibrated_one():
+    source, _ = calibrated_static_model()
+    target = moe()
+    quiet_quantize(target, activations="static")
+    target.load_state_dict(target.state_dict())  # no input_scale yet: nothing missing
+    target.load_state_dict(source.state_dict())  # fills the empty slots
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, source(ids).logits)
+
+
+def test_save_warns_for_block_scaled_experts_transformers_cannot_load(tmp_path):
+    model = moe()
+    quiet_quantize(model, weight_scale="block", block_size=(32, 32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qfp8.save_pretrained(model, tmp_path)
+    (message,) = [str(w.message) for w in caught if "transformers cannot" in str(w.message)]
+    assert "model.layers.*.block_sparse_moe.experts.*.w1" in message and "MoE experts with block weight scales" in message
+    assert "self_attn" not in message  # dense block layers load
+    with pytest.raises(Exception):  # what the warning says
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(qfp8.from_pretrained(tmp_path)(ids).logits, model(ids).logits)
+
+
+def test_group_activations_on_experts_do_not_warn_for_transformers(tmp_path):
+    # transformers dequantizes experts to float, so their K needs no 128 groups (down_proj: K = 128 here,
+    # gate_up: K = 64 would otherwise be named).
+    model = moe()
+    quiet_quantize(model, activations="dynamic", activation_scale="group", exclude=("lm_head", "*.self_attn.*"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qfp8.save_pretrained(model, tmp_path)
+    assert not [str(w.message) for w in caught if "transformers cannot" in str(w.message)]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        assert torch.isfinite(loaded(ids).logits).all()
