@@ -519,6 +519,11 @@ def calibrate(model: nn.Module):
             "only, the weights stay as chosen then (quantize the float model again to choose them on new data)",
             stacklevel=3,
         )
+    if any(_is_calibrating(m) for m in modules):
+        raise RuntimeError(
+            "calibrate: the model is already inside a calibrate block; nested blocks would each measure part "
+            "of the batches (run every calibration batch in one block)"
+        )
     for module in modules:
         module.start_calibration()
     try:
@@ -527,15 +532,56 @@ def calibrate(model: nn.Module):
     except GeneratorExit:
         # The block sat in a generator that its caller closed early (break,
         # islice): a normal end for the batches that ran, not a failure.
-        for module in modules:
-            module.end_calibration()
+        _commit(model, modules)
         raise
     except BaseException:
         for module in modules:
             getattr(module, "abort_calibration", module.end_calibration)()
         raise
-    for module in modules:
-        module.end_calibration()
+    _commit(model, modules)
+
+
+def _is_calibrating(module: nn.Module) -> bool:
+    if isinstance(module, QExperts):
+        return any(e.calibrating for e in module.experts)
+    return bool(getattr(module, "calibrating", False) or getattr(module, "qfp8_kv_calibrating", False))
+
+
+def _state_of(module: nn.Module) -> list[tuple[nn.Module, dict, dict, dict]]:
+    """What ending calibration may replace in ``module`` (and in each expert of a QExperts): its attributes,
+    buffers and parameters, by reference (ending calibration assigns new tensors, never writes in place)."""
+    owners = [module, *(module.experts if isinstance(module, QExperts) else ())]
+    return [(m, dict(m.__dict__), dict(m._buffers), dict(m._parameters)) for m in owners]
+
+
+def _commit(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Ends calibration for every module, all or nothing: an error (a layer's accuracy mode failing, Ctrl-C)
+    puts back what the modules ended so far had before, and leaves every module out of calibration."""
+    saved = [_state_of(module) for module in modules]
+    try:
+        for module in modules:
+            module.end_calibration()
+    except BaseException:
+        for states in saved:
+            for owner, attributes, buffers, parameters in states:
+                owner.__dict__.update(attributes)
+                owner._buffers.clear()
+                owner._buffers.update(buffers)
+                owner._parameters.clear()
+                owner._parameters.update(parameters)
+        for module in modules:
+            getattr(module, "abort_calibration", module.end_calibration)()
+        raise
+    noted = [(name, m) for name, m in _qlinears(model).items() if getattr(m, "accuracy_note", None)]
+    if noted:
+        shown = "; ".join(f"{name}: {m.accuracy_note}" for name, m in noted[:3])
+        warnings.warn(
+            f"calibrate: {len(noted)} accuracy-mode layer(s) chose their weights otherwise than asked: {shown}"
+            + (f"; and {len(noted) - 3} more" if len(noted) > 3 else ""),
+            stacklevel=4,
+        )
+        for _, m in noted:
+            m.accuracy_note = None
 
 
 def check_calibrated(model: nn.Module, caller: str) -> None:
@@ -555,6 +601,8 @@ def freeze(model: nn.Module) -> nn.Module:
         raise TypeError(f"freeze takes an nn.Module, got {type(model).__name__}")
     qlinears = _qlinears(model)
     if not qlinears:
+        if getattr(model, "qfp8_kv_cache_dtype", None) is not None:
+            return model  # an FP8 KV cache alone (weights=None): nothing to pack, its scales need no check
         raise ValueError("freeze: the model has no QLinear; call qfp8.quantize(model, ...) first")
     check_calibrated(model, "freeze")
     for name, module in qlinears.items():

@@ -229,3 +229,81 @@ def test_calibrate_in_a_generator_closed_early_keeps_the_batches_that_ran():
     assert torch.equal(model[0].input_scale, formats.scale_from_amax(seen, torch.float8_e4m3fn))
     assert not model[0].accuracy_pending and not model[2].accuracy_pending
     qfp8.freeze(model)
+
+
+def test_a_failure_while_calibrate_commits_puts_every_layer_back(monkeypatch):
+    """The second layer's weight choice fails (Ctrl-C, a solver error): the first layer, already committed,
+    gets its earlier state back too, and no layer is left calibrating."""
+    model = mlp()
+    qfp8.quantize(model, accuracy="gptq", activations="static", weight_scale="tensor", exclude=())
+    before = [(m.canonical_weight().view(torch.uint8).clone(), m.float_weight) for m in (model[0], model[2])]
+    real, calls = rounding.quantize_weight, []
+
+    def fail_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rounding, "quantize_weight", fail_second)
+    with pytest.raises(KeyboardInterrupt):
+        with qfp8.calibrate(model):
+            model(outlier_inputs(300, 256, seed=3))
+    monkeypatch.undo()
+    for layer, (weight, float_weight) in zip((model[0], model[2]), before, strict=True):
+        assert not layer.calibrating and layer.input_scale is None and layer.hessian is None
+        assert layer.float_weight is float_weight and layer.accuracy_pending
+        assert torch.equal(layer.canonical_weight().view(torch.uint8), weight)
+    with qfp8.calibrate(model):
+        model(outlier_inputs(300, 256, seed=3))
+    qfp8.freeze(model)
+
+
+def test_nested_calibrate_is_refused_and_the_outer_block_keeps_every_batch():
+    model = mlp()
+    qfp8.quantize(model, activations="static", exclude=())
+    small, large = outlier_inputs(8, 256, seed=1), outlier_inputs(8, 256, seed=2) * 100
+    with qfp8.calibrate(model):
+        model(small)
+        with pytest.raises(RuntimeError, match="already inside a calibrate block"):
+            with qfp8.calibrate(model):
+                pass
+        model(large)
+    seen = torch.cat([small, large]).abs().max().reshape(1)
+    assert torch.equal(model[0].input_scale, formats.scale_from_amax(seen, torch.float8_e4m3fn))
+
+
+def test_gptq_with_fewer_rows_than_inputs_runs_scale_with_a_warning():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96))
+    gptq_model = nn.Sequential(nn.Linear(64, 96))
+    gptq_model.load_state_dict(model.state_dict())
+    scale_model = nn.Sequential(nn.Linear(64, 96))
+    scale_model.load_state_dict(model.state_dict())
+    qfp8.quantize(gptq_model, accuracy="gptq", exclude=())
+    qfp8.quantize(scale_model, accuracy="scale", exclude=())
+    calibration = torch.randn(32, 64)
+    with pytest.warns(
+        UserWarning, match=r"accuracy='gptq' saw 32 calibration rows for 64 inputs .*ran accuracy='scale'"
+    ):
+        with qfp8.calibrate(gptq_model):
+            gptq_model(calibration)
+    with qfp8.calibrate(scale_model):
+        scale_model(calibration)
+    assert torch.equal(
+        gptq_model[0].canonical_weight().view(torch.uint8), scale_model[0].canonical_weight().view(torch.uint8)
+    )
+
+
+def test_all_zero_calibration_inputs_keep_the_nearest_rounding():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96))
+    reference = nn.Sequential(nn.Linear(64, 96))
+    reference.load_state_dict(model.state_dict())
+    qfp8.quantize(model, accuracy="scale", exclude=())
+    qfp8.quantize(reference, exclude=())
+    with pytest.warns(UserWarning, match="every calibration input was zero: round-to-nearest weights kept"):
+        with qfp8.calibrate(model):
+            model(torch.zeros(4, 64))
+    qfp8.freeze(model)
+    assert torch.equal(model[0].canonical_weight().view(torch.uint8), reference[0].canonical_weight().view(torch.uint8))

@@ -574,6 +574,7 @@ class QLinear(nn.Module):
         if self.hessian is not None:
             x2d = x.detach().reshape(-1, self.in_features).to(torch.float32)
             x2d = torch.nan_to_num(x2d, nan=0.0, posinf=0.0, neginf=0.0)
+            self._calibration_rows += x2d.shape[0]
             if self.hessian.dim() == 1:  # "scale" reads diag(H) only: [K], not [K, K]
                 self.hessian.add_(x2d.square().sum(0))
             else:
@@ -595,6 +596,7 @@ class QLinear(nn.Module):
         self.calibrating = True
         self._fast_op = None
         self._calibration_amax = None
+        self._calibration_rows = 0
         if self.float_weight is not None:
             shape = (self.in_features,) if self.accuracy == "scale" else (self.in_features, self.in_features)
             self.hessian = torch.zeros(shape, dtype=torch.float32, device=self.float_weight.device)
@@ -622,13 +624,34 @@ class QLinear(nn.Module):
         return self.float_weight is not None
 
     def _requantize_for_accuracy(self) -> None:
+        """Chooses the FP8 weights for the calibration inputs (see :mod:`qfp8.rounding`).
+
+        No batch reached the layer: it keeps waiting. Every input was zero (or
+        NaN/Inf, counted as zero): any choice is as good, the nearest rounding
+        stays. ``"gptq"`` with fewer calibration rows than inputs (a singular
+        ``H``, which it would overfit) runs ``"scale"`` instead; the layer's
+        ``accuracy_note`` says so (``calibrate`` warns once for all such layers).
+        """
         hessian, self.hessian = self.hessian, None
-        if not bool((hessian if hessian.dim() == 1 else hessian.diagonal()).any()):
+        rows, self._calibration_rows = getattr(self, "_calibration_rows", 0), 0
+        self.accuracy_note = None
+        if not rows:
             return  # no calibration batch reached this layer: keep waiting
+        if not bool((hessian if hessian.dim() == 1 else hessian.diagonal()).any()):
+            self.float_weight = None  # all inputs zero: the round-to-nearest weights stay
+            self.accuracy_note = "every calibration input was zero: round-to-nearest weights kept"
+            return
+        mode = self.accuracy
+        if mode == "gptq" and rows < self.in_features:
+            mode = "scale"
+            self.accuracy_note = (
+                f"accuracy='gptq' saw {rows} calibration rows for {self.in_features} inputs (it needs more rows "
+                "than inputs): ran accuracy='scale'"
+            )
         qweight, scale = rounding.quantize_weight(
             self.float_weight,
             hessian,
-            self.accuracy,
+            mode,
             self.scheme.weight_dtype,
             self.scheme.weight_scale,
             self.scheme.block_size or formats.DEFAULT_BLOCK_SIZE,

@@ -582,3 +582,13 @@ def test_static_scales_stay_float32_when_the_model_dtype_changes(base_model, tmp
     assert attention.k_scale.dtype == attention.v_scale.dtype == torch.float32
     assert torch.equal(attention.k_scale, scales[0]) and torch.equal(attention.v_scale, scales[1])
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16  # the rest did change
+
+
+def test_freeze_of_a_model_with_an_fp8_kv_cache_only_is_a_no_op(base_model, prompt):
+    model = copy.deepcopy(base_model)
+    qfp8.quantize(model, weights=None, kv_cache="float8_e4m3fn")
+    with torch.no_grad(), qfp8.calibrate(model):
+        model(prompt)
+    assert qfp8.freeze(model) is model
+    with pytest.raises(ValueError, match="has no QLinear"):
+        qfp8.freeze(copy.deepcopy(base_model))
