@@ -470,7 +470,31 @@ def quantize(
 
         enable_fp8_kv_cache(model, formats.fp8_dtype(kv_cache))
     model.qfp8_scheme = scheme
+    if report.quantized:
+        guard_transformers_save(model)
     return QuantizeResult(model, report)
+
+
+class TransformersSaveRefused:
+    """Takes the place of a quantized transformers model's own ``save_pretrained`` (an instance attribute).
+
+    transformers' writer would store the FP8 bytes without their quantization config: a folder that
+    loads back, silently, as a float model of garbage weights. ``qfp8.save_pretrained`` writes the
+    compressed-tensors checkpoint transformers and vLLM read.
+    """
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(
+            "this model's linear layers are FP8 (qfp8): transformers' model.save_pretrained would write their "
+            "bytes without a quantization config, which loads back as garbage weights; use "
+            "qfp8.save_pretrained(model, directory) (compressed-tensors: transformers and vLLM load it)"
+        )
+
+
+def guard_transformers_save(model: nn.Module) -> None:
+    """Makes a quantized transformers model's ``save_pretrained`` raise, pointing to ``qfp8.save_pretrained``."""
+    if callable(getattr(type(model), "save_pretrained", None)):
+        model.save_pretrained = TransformersSaveRefused()
 
 
 def _qlinears(model: nn.Module) -> dict[str, QLinear]:

@@ -625,6 +625,10 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     assign_state(model, state, plan, expert_weights)
     model.qfp8_source = str(checkpoint.directory)
     model.qfp8_checkpoint_format = plan.format
+    if schemes:
+        from qfp8.quantize import guard_transformers_save
+
+        guard_transformers_save(model)
     model.eval()
     if torch.device(device).type != "cpu":
         model.to(device)

@@ -547,3 +547,17 @@ def test_from_pretrained_ignores_an_architectures_entry_of_another_model_type(ti
     assert type(loaded) is type(model)
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+def test_transformers_own_save_pretrained_is_refused_with_the_way_to_save(tiny, tmp_path):
+    """transformers' writer would store the FP8 bytes without a quantization config (garbage on reload)."""
+    model = quantized_model(tiny, SCHEMES["w-channel"])
+    with pytest.raises(RuntimeError, match=r"use qfp8.save_pretrained\(model, directory\)"):
+        model.save_pretrained(tmp_path / "transformers")
+    assert not (tmp_path / "transformers").exists()
+    qfp8.save_pretrained(model, tmp_path / "qfp8")
+    with pytest.raises(RuntimeError, match="qfp8.save_pretrained"):
+        qfp8.from_pretrained(tmp_path / "qfp8").save_pretrained(tmp_path / "transformers")
+    float_model = tiny.model()  # a model qfp8 did not quantize keeps transformers' own
+    float_model.save_pretrained(tmp_path / "float")
+    assert (tmp_path / "float" / "model.safetensors").exists()
