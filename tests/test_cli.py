@@ -214,17 +214,14 @@ def test_unreadable_calibration_file_is_one_line_naming_it(float_folder, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def folder_with_tokenizer(tmp_path_factory):
-    """A tiny float Llama with a word-level tokenizer and no chat template."""
+def folder_with_tokenizer(float_folder, tmp_path_factory):
+    """``float_folder`` with a word-level tokenizer and no chat template."""
+    import shutil
+
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("with_tokenizer")
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    folder = tmp_path_factory.mktemp("with_tokenizer") / "model"
+    shutil.copytree(float_folder, folder)
     words = {"[UNK]": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate("the a of to and in is it".split())}}
     tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -290,6 +290,18 @@ def _vllm_args(scheme: QuantizationScheme | None) -> dict | None:
     return group
 
 
+def _problem_lines(found: dict[str, list[str]]) -> list[str]:
+    """One line per rule broken: the modules' name patterns (the first few), their count, the rule."""
+    lines = []
+    for message, names in found.items():
+        unique = list(dict.fromkeys(names))
+        shown = ", ".join(unique[:_SHOWN_NAMES]) + (
+            f" and {len(unique) - _SHOWN_NAMES} more" if len(unique) > _SHOWN_NAMES else ""
+        )
+        lines.append(f"{shown} ({len(names)} module{'s' if len(names) != 1 else ''}): {message}")
+    return lines
+
+
 def vllm_incompatibilities(layers: dict[str, Layer]) -> list[str]:
     """What vLLM refuses or cannot run in a compressed-tensors checkpoint of ``layers`` (name -> scheme, shape).
 
@@ -361,14 +373,7 @@ def vllm_incompatibilities(layers: dict[str, Layer]) -> list[str]:
                     "of block_n (validate_fp8_block_shape)",
                     where,
                 )
-    lines = []
-    for message, names in found.items():
-        unique = list(dict.fromkeys(names))
-        shown = ", ".join(unique[:_SHOWN_NAMES]) + (
-            f" and {len(unique) - _SHOWN_NAMES} more" if len(unique) > _SHOWN_NAMES else ""
-        )
-        lines.append(f"{shown} ({len(names)} module{'s' if len(names) != 1 else ''}): {message}")
-    return lines
+    return _problem_lines(found)
 
 
 # A MoE expert's checkpoint name: transformers stores experts as "<...>.experts.<e>.<part>".
@@ -410,14 +415,7 @@ def transformers_incompatibilities(layers: dict[str, Layer]) -> list[str]:
                 "these modules",
                 [],
             ).append(_name_pattern(name))
-    lines = []
-    for message, names in found.items():
-        unique = list(dict.fromkeys(names))
-        shown = ", ".join(unique[:_SHOWN_NAMES]) + (
-            f" and {len(unique) - _SHOWN_NAMES} more" if len(unique) > _SHOWN_NAMES else ""
-        )
-        lines.append(f"{shown} ({len(names)} module{'s' if len(names) != 1 else ''}): {message}")
-    return lines
+    return _problem_lines(found)
 
 
 def save_warnings(layers: dict[str, Layer], kv_cache_dtype: torch.dtype | None) -> list[str]:
