@@ -28,23 +28,29 @@ SCHEMES: dict[str, dict | None] = {
     "fp8-w8a8-static-tensor": {"weight_scale": "tensor", "activations": "static"},
 }
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+DEFAULTS = {"max_new_tokens": 16, "ppl_windows": 1, "window_length": 256, "calibration_windows": 2}
+QUICK_DEFAULTS = {"max_new_tokens": 4, "ppl_windows": 1, "window_length": 64, "calibration_windows": 1}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local Hugging Face Llama-family folder (default: SmolLM2)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 16 (--quick: 4)")
     parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated, from {', '.join(SCHEMES)}")
-    parser.add_argument("--ppl-windows", type=int, default=1, help="pydoc_data windows for perplexity")
-    parser.add_argument("--window-length", type=int, default=256, help="tokens per perplexity window")
+    parser.add_argument("--ppl-windows", type=int, default=None, help="pydoc_data windows for perplexity (default 1)")
+    parser.add_argument(
+        "--window-length", type=int, default=None, help="tokens per perplexity window (default 256, --quick: 64)"
+    )
     parser.add_argument(
         "--accuracy",
         choices=["none", "scale", "gptq"],
         default="none",
         help="qfp8 accuracy mode for the FP8 schemes (calibrates on a disjoint pydoc_data slice)",
     )
-    parser.add_argument("--calibration-windows", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="tiny run for tests: 4 tokens, one 64-token window")
+    parser.add_argument("--calibration-windows", type=int, default=None, help="default 2 (--quick: 1)")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny run for tests: 4 tokens, one 64-token window (options given win)"
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
 
 
@@ -115,8 +121,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"demo: --json {args.json} is a folder; give a file path")
         if not os.path.isdir(os.path.dirname(target)):
             raise FileNotFoundError(f"demo: --json {args.json}: the folder {os.path.dirname(target)} does not exist")
-    if args.quick:
-        args.max_new_tokens, args.ppl_windows, args.window_length, args.calibration_windows = 4, 1, 64, 1
+    defaults = QUICK_DEFAULTS if args.quick else DEFAULTS
+    for option, value in defaults.items():  # what the user gave wins over --quick
+        if getattr(args, option) is None:
+            setattr(args, option, value)
     accuracy = None if args.accuracy == "none" else args.accuracy
 
     began = time.perf_counter()

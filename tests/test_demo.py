@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -47,3 +48,13 @@ def test_demo_refuses_an_unknown_scheme():
     demo.add_arguments(parser)
     with pytest.raises(ValueError, match="unknown scheme"):
         demo.run(parser.parse_args(["--schemes", "int4"]))
+
+
+def test_options_given_with_quick_win_over_its_defaults(tmp_path, monkeypatch, capsys):
+    folder = evaluate.save_tiny_llama(tmp_path / "tiny")
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--model", str(folder), "--quick", "--schemes", "bf16", "--window-length", "32"])
+    assert demo.run(args) == 0
+    assert (args.window_length, args.max_new_tokens, args.ppl_windows, args.calibration_windows) == (32, 4, 1, 1)
+    assert "perplexity on 1 x 32 tokens" in capsys.readouterr().out
