@@ -16,6 +16,9 @@ The routing (how many rows each expert has) is data, so a traced graph
 cannot hold the per-expert calls: the op is opaque to ``torch.compile``
 (its fake returns ``[T, N]``), which lets a quantized MoE layer compile
 with ``fullgraph=True`` and no recompilation when the routing changes.
+``experts_linear_grad_input`` is its input gradient (each expert's rows of
+the output gradient times its dequantized weight), which :class:`ExpertsLinear`
+applies when a gradient is needed.
 """
 
 from __future__ import annotations
@@ -95,3 +98,67 @@ def experts_linear_impl(
 
 
 torch.library.impl("qfp8::experts_linear", "CompositeExplicitAutograd")(experts_linear_impl)
+
+
+torch.library.define(
+    "qfp8::experts_linear_grad_input",
+    "(Tensor grad, Tensor expert_ids, Tensor[] weights, Tensor[] weight_scales, str kernel, int[] block_size, "
+    "int out_features, int in_features) -> Tensor",
+)
+
+
+@torch.library.register_fake("qfp8::experts_linear_grad_input")
+def _(grad, expert_ids, weights, weight_scales, kernel, block_size, out_features, in_features):
+    return grad.new_empty((grad.shape[0], in_features), dtype=torch.float32)
+
+
+def experts_linear_grad_input_impl(
+    grad: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: list[torch.Tensor],
+    weight_scales: list[torch.Tensor],
+    kernel: str,
+    block_size: list[int],
+    out_features: int,
+    in_features: int,
+) -> torch.Tensor:
+    """``experts_linear``'s input gradient, float32: each expert's rows of ``grad`` times its dequantized
+    weight (the activation quantization of W8A8 counts as the identity, as for a single linear)."""
+    from qfp8.library.autograd import grad_input_linear
+
+    experts = len(weights)
+    out = torch.zeros((grad.shape[0], in_features), dtype=torch.float32, device=grad.device)
+    unpack = kernel_by_name(kernel).unpack
+    counts = torch.bincount(expert_ids, minlength=experts + 1).tolist() if grad.shape[0] else []
+    start = 0
+    for expert, count in enumerate(counts[:experts]):
+        if count:
+            rows = slice(start, start + count)
+            weight = unpack(weights[expert], out_features, in_features)
+            out[rows] = grad_input_linear(grad[rows].float(), weight, weight_scales[expert], list(block_size))
+            start += count
+    return out
+
+
+torch.library.impl("qfp8::experts_linear_grad_input", "CompositeExplicitAutograd")(experts_linear_grad_input_impl)
+
+
+class ExpertsLinear(torch.autograd.Function):
+    """``experts_linear`` with the input gradient (weights and scales are frozen buffers: none for them)."""
+
+    @staticmethod
+    def forward(ctx, x, expert_ids, weights, weight_scales, input_scales, *args):
+        kernel, granularity, block_size, activation, activation_dtype, out_features, in_features = args
+        ctx.save_for_backward(expert_ids, *weights, *weight_scales)
+        ctx.experts, ctx.kernel, ctx.block_size = len(weights), kernel, block_size
+        ctx.sizes, ctx.x_dtype = (out_features, in_features), x.dtype
+        return torch.ops.qfp8.experts_linear(x, expert_ids, weights, weight_scales, input_scales, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        expert_ids, *saved = ctx.saved_tensors
+        weights, weight_scales = saved[: ctx.experts], saved[ctx.experts :]
+        grad_x = torch.ops.qfp8.experts_linear_grad_input(
+            grad, expert_ids, weights, weight_scales, ctx.kernel, ctx.block_size, *ctx.sizes
+        )
+        return (grad_x.to(ctx.x_dtype), *([None] * 11))

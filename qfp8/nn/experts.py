@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qfp8.library.experts import ExpertsLinear
 from qfp8.nn.qlinear import QLinear, take_expected
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.tensor import Float8WeightTensor
@@ -416,14 +417,14 @@ def _traceable(up, down, hidden_states: torch.Tensor) -> bool:
         isinstance(up, QExperts)
         and isinstance(down, QExperts)
         and not any(e.calibrating for e in (*up.experts, *down.experts))
-        and not (torch.is_grad_enabled() and hidden_states.requires_grad)
     )
 
 
 def _experts_linear(weights: QExperts, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     experts, first = weights.experts, weights.experts[0]
     static = first.scheme.activations == "static"
-    return torch.ops.qfp8.experts_linear(
+    grad = torch.is_grad_enabled() and x.requires_grad
+    return (ExpertsLinear.apply if grad else torch.ops.qfp8.experts_linear)(
         x,
         expert_ids,
         [e.qweight for e in experts],

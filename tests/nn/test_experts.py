@@ -817,3 +817,51 @@ def test_group_activations_on_experts_do_not_warn_for_transformers(tmp_path):
     ids = torch.randint(0, 128, (1, 5))
     with torch.no_grad():
         assert torch.isfinite(loaded(ids).logits).all()
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(activations="dynamic")], ids=["w8a16", "w8a8-token"])
+def test_compiled_fullgraph_with_gradients_matches_eager_input_gradients(kwargs):
+    """With gradients on (a float adapter trained on top), the traced experts carry the input gradient."""
+    model = moe()
+    quiet_quantize(model, **kwargs)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+
+    def run(forward):
+        embeds = model.model.embed_tokens(ids).detach().requires_grad_(True)
+        out = forward(embeds)
+        out.float().square().mean().backward()
+        return out.detach(), embeds.grad
+
+    def forward(embeds):
+        return model(inputs_embeds=embeds).logits
+
+    torch._dynamo.reset()
+    eager_out, eager_grad = run(forward)
+    compiled_out, compiled_grad = run(torch.compile(forward, fullgraph=True))
+    assert (compiled_out - eager_out).abs().max() <= 1e-5 * eager_out.abs().max()
+    assert (compiled_grad - eager_grad).abs().max() <= 1e-5 * eager_grad.abs().max()
+    torch._dynamo.reset()
+
+
+def test_experts_linear_grad_input_op():
+    from qfp8 import formats
+    from qfp8.library.testing import opcheck
+
+    model = moe()
+    quiet_quantize(model)
+    qexperts = model.model.layers[0].mlp.experts.down_proj
+    grad = torch.randn(5, qexperts.out_features)
+    ids = torch.tensor([0, 1, 1, 3, 4])  # 4: another rank's pair, no gradient
+    args = ([e.qweight for e in qexperts.experts], [e.weight_scale for e in qexperts.experts], qexperts.packing, [])
+    out = torch.ops.qfp8.experts_linear_grad_input(grad, ids, *args, qexperts.out_features, qexperts.in_features)
+    for row, e in enumerate(ids.tolist()):
+        if e == 4:
+            assert not out[row].any()
+            continue
+        layer = qexperts.experts[e]
+        weight = formats.dequantize_weight(layer.canonical_weight(), layer.weight_scale, None)
+        torch.testing.assert_close(out[row], grad[row] @ weight, rtol=1e-5, atol=1e-6)
+    opcheck(
+        torch.ops.qfp8.experts_linear_grad_input.default,
+        (grad, ids, *args, qexperts.out_features, qexperts.in_features),
+    )
