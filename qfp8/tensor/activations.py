@@ -129,6 +129,22 @@ def _(func, types, args, kwargs):
     return op(_plain(a, compute_dtype), right).to(a.dtype)
 
 
+@Float8ActivationTensor.implements(torch.addmm, aten.addmm.default)
+def _(func, types, args, kwargs):
+    """``addmm(bias, x, w)`` = ``bias + x @ w``: a linear layer when ``w`` is an FP8 weight's ``.t()``, else the
+    matmul route above (the FP8 activation dequantized to float32 for that op)."""
+    from qfp8.tensor.weights import Float8WeightTensor, _linear
+
+    bias, a, b = args[0], args[1], args[2]
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if beta != 1 or alpha != 1 or not isinstance(a, Float8ActivationTensor):
+        raise NotImplementedError(f"{func}: only addmm(bias, x_fp8, w) with beta = alpha = 1 is implemented")
+    if isinstance(b, Float8WeightTensor) and b.transposed:
+        return _linear(a, b._with(transposed=False), bias)
+    product = torch.matmul(a, b)
+    return product + _plain(bias, product.dtype)
+
+
 def _new_shape(x: Float8ActivationTensor, shape) -> tuple[int, ...]:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = tuple(shape[0])

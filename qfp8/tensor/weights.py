@@ -155,8 +155,12 @@ def _(func, types, args, kwargs):
     if isinstance(b, Float8WeightTensor) and b.transposed and not isinstance(a, Float8WeightTensor):
         return _linear(a, b._with(transposed=False), None)
     if isinstance(b, Float8WeightTensor) and not isinstance(a, Float8WeightTensor):
-        # x @ W with W as [N, K] (not a linear layer's use): explicit dequantize.
-        return torch.matmul(a, b.dequantize(a.dtype))
+        # x @ W with W as [N, K] is not a linear layer's product (that is x @ W.t()); computing it would mean a
+        # silent dequantize, which the contract rules out.
+        raise NotImplementedError(
+            f"{func}: x @ W with the FP8 weight W [{b.out_features}, {b.in_features}] untransposed is not a "
+            "linear layer's product: use x @ W.t() or F.linear(x, W) for that, or W.dequantize() for the matrix"
+        )
     raise NotImplementedError(f"{func}: only x @ weight with the FP8 weight on the right is implemented")
 
 

@@ -42,7 +42,6 @@ ROUTES = {
     "F.linear(act, float-weight)": (lambda a, w: F.linear(a, w), ("act", "float_weight")),
     "act @ weight.t()": (lambda a, w: a @ w.t(), ("act", "weight")),
     "act @ weight": (lambda a, w: a @ w, ("act_n", "weight")),
-    "x @ weight": (lambda x, w: x @ w, ("x_n", "weight")),
     "torch.matmul(act, float)": (lambda a, w: torch.matmul(a, w.t()), ("act", "float_weight")),
     "plain @ act": (lambda p, a: p @ a, ("left", "act")),
     "bmm(act, plain)": (lambda a, p: torch.bmm(a, p), ("act3", "right3")),

@@ -35,10 +35,12 @@ def test_T_mT_and_permute_are_the_transpose(weight):
         w.permute(0, 0)
 
 
-def test_matmul_with_untransposed_weight_is_explicit_dequantize(weight):
+def test_matmul_with_untransposed_weight_is_refused_not_dequantized(weight):
+    # x @ W (W [N, K]) is not the linear layer's product; computing it would be a silent dequantize.
     w = Float8WeightTensor.from_float(weight.float())
-    x = torch.randn(2, 48)
-    assert torch.allclose(x @ w, x @ w.dequantize(torch.float32))
+    x = torch.randn(2, w.shape[0])
+    with pytest.raises(NotImplementedError, match=r"untransposed is not a linear layer's product: use x @ W.t\(\)"):
+        x @ w
 
 
 def test_shape_dtype_and_repr(weight):
@@ -214,3 +216,17 @@ def test_linear_refuses_non_float_input_naming_dtype_and_sizes(weight, dtype):
         F.linear(x, w)
     with pytest.raises(TypeError, match=rf"input is {dtype}"):
         torch.matmul(x, w.t())  # (``x @ w.t()`` raises a TypeError too, Python's: torch turns it into NotImplemented)
+
+
+def test_addmm_with_an_fp8_activation_routes_like_matmul(weight):
+    from qfp8.tensor import Float8ActivationTensor
+
+    w = Float8WeightTensor.from_float(weight.float())
+    x = Float8ActivationTensor.quantize(torch.randn(3, w.shape[1]), granularity="token")
+    bias = torch.randn(w.shape[0])
+    assert torch.equal(torch.addmm(bias, x, w.t()), F.linear(x, w, bias))  # the linear route
+    plain = torch.randn(w.shape[1], 5)
+    expected = x.dequantize(torch.float32) @ plain + torch.ones(5)
+    torch.testing.assert_close(torch.addmm(torch.ones(5), x, plain), expected)  # the dequantizing matmul route
+    with pytest.raises(NotImplementedError, match="beta = alpha = 1"):
+        torch.addmm(bias, x, w.t(), beta=2)
