@@ -287,7 +287,9 @@ def score(
     if reference is not None:
         ref = reference[:, :-1]
         acc.has_reference = True
-        acc.kl_sum += float((ref.exp() * (ref - lp)).sum(dtype=torch.float64))
+        # A token both models give probability 0 (log-prob -inf) adds nothing (0 * (-inf + inf) would be NaN).
+        terms = torch.where(ref == float("-inf"), 0.0, ref.exp() * (ref - lp))
+        acc.kl_sum += float(terms.sum(dtype=torch.float64))
         acc.agree += int((ref.argmax(-1) == lp.argmax(-1)).sum())
     return acc
 
@@ -310,6 +312,8 @@ def evaluate(
         raise ValueError(f"reference {reference!r} is not one of the models {sorted(models)}")
     results = {name: Accuracy() for name in models}
     order = ([reference] if reference else []) + [name for name in models if name != reference]
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"evaluate: batch_size must be a positive int, got {batch_size!r}")
     for start in range(0, windows_.shape[0], batch_size):
         ids = windows_[start : start + batch_size]
         ref_lp = None

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.weight_norm import WeightNorm  # the hook class (torch.nn.utils.weight_norm names the function)
 
 from qfp8 import formats, rounding
 from qfp8.nn import QLinear, QuantizationScheme
@@ -173,6 +175,16 @@ def _skip_reason(module: nn.Linear) -> str | None:
         return META_REASON
     if module.weight.numel() == 0:
         return "empty weight"
+    for hook in module._forward_pre_hooks.values():
+        # These hooks recompute `weight` from other tensors of the Linear (weight_orig and weight_mask,
+        # weight_g and weight_v) before each forward; a QLinear has none of them.
+        if isinstance(hook, BasePruningMethod):
+            return "pruned with torch.nn.utils.prune: call prune.remove(module, 'weight') first to make it permanent"
+        if isinstance(hook, WeightNorm):
+            return (
+                "has torch.nn.utils.weight_norm's hook: call torch.nn.utils.remove_weight_norm(module) first "
+                "(or use torch.nn.utils.parametrizations.weight_norm, which quantize takes)"
+            )
     return None
 
 
@@ -238,8 +250,16 @@ def _find_other_weights(model: nn.Module, report: QuantizeReport, quantized_expe
     """
     linear = other = 0
     seen: set[int] = set()
+    linears = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding):
+            continue
+        owner = name.rsplit(".parametrizations.", 1)[0] if ".parametrizations." in f".{name}" else None
+        if isinstance(module, torch.nn.utils.parametrize.ParametrizationList) and owner in linears:
+            for param in module.parameters(recurse=False):  # a parametrized Linear's own weight
+                if param.dim() >= 2 and param.is_floating_point() and id(param) not in seen:
+                    seen.add(id(param))
+                    linear += param.numel()
             continue
         numel = 0
         for param in module.parameters(recurse=False):

@@ -51,6 +51,21 @@ def test_perplexity_kl_top1_match_hand_computation():
     assert results["ref"].kl == pytest.approx(0.0, abs=1e-7) and results["ref"].top1 == 1.0
 
 
+def test_a_token_both_models_rule_out_adds_no_kl_and_batch_size_is_checked():
+    table = torch.tensor([[2.0, 0.5, float("-inf")], [0.0, 1.0, float("-inf")], [1.5, 1.5, float("-inf")]])
+    other = torch.tensor([[1.0, 0.9, float("-inf")], [0.2, 1.0, float("-inf")], [1.0, 2.0, float("-inf")]])
+    ids = torch.tensor([[0, 1, 1, 0]])
+    results = evaluate.evaluate({"ref": FixedLogits(table), "q": FixedLogits(other)}, ids, reference="ref")
+    kl = 0.0
+    for t in range(3):
+        p = torch.log_softmax(table[ids[0, t]], -1)[:2].tolist()
+        q = torch.log_softmax(other[ids[0, t]], -1)[:2].tolist()
+        kl += sum(math.exp(a) * (a - b) for a, b in zip(p, q, strict=True))
+    assert results["q"].kl == pytest.approx(kl / 3, rel=1e-5) and math.isfinite(results["ref"].kl)
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        evaluate.evaluate({"q": FixedLogits(other)}, ids, batch_size=0)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = evaluate.save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

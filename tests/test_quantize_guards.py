@@ -265,3 +265,35 @@ def test_falcon_linear_is_quantized():
     assert not any(type(m).__name__ == "FalconLinear" for m in model.modules())
     with torch.no_grad():
         assert qfp8.formats.sqnr(reference, model(ids).logits.double()) > 25
+
+
+@pytest.mark.parametrize(
+    "prepare, reason",
+    [
+        (lambda lin: torch.nn.utils.prune.l1_unstructured(lin, "weight", 0.5), "pruned with torch.nn.utils.prune"),
+        (lambda lin: torch.nn.utils.weight_norm(lin), "has torch.nn.utils.weight_norm's hook"),
+    ],
+    ids=["prune", "weight_norm"],
+)
+def test_linears_whose_hooks_recompute_the_weight_are_skipped_with_the_fix(prepare, reason):
+    """Their forward pre-hook rebuilds `weight` from tensors a QLinear does not have."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # weight_norm's deprecation
+        prepare(model[0])
+    x = torch.randn(2, 8)
+    expected = model[0](x)
+    _, report = qfp8.quantize(model, exclude=None)
+    (entry,) = [e for e in report.entries if e.name == "0"]
+    assert not entry.quantized and entry.reason.startswith(reason)
+    assert torch.equal(model[0](x), expected) and torch.isfinite(model(x)).all()
+
+
+def test_a_parametrized_linear_is_quantized_without_a_left_in_float_warning():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, report = qfp8.quantize(model, exclude=None)
+    assert report.quantized and not report.others and report.other_fraction == 0.0
+    assert not [w for w in caught if "left in float" in str(w.message)]
