@@ -492,7 +492,19 @@ def quantize(
     model.qfp8_scheme = scheme
     if report.quantized:
         guard_transformers_save(model)
+    _return_freed_memory()
     return QuantizeResult(model, report)
+
+
+def _return_freed_memory() -> None:
+    """Gives the float weights' freed memory back to the system (glibc keeps freed heap memory otherwise:
+    measured here, a bf16 model's process stayed 78-162 MB above the quantized model's size)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 class TransformersSaveRefused:

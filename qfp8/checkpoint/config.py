@@ -265,9 +265,29 @@ def group_to_scheme(
 
 def matches(name: str, class_name: str, target: str) -> bool:
     """compressed-tensors target matching: ``re:`` regex, a class name, or a module name."""
+    return _match_rank(name, class_name, target) is not None
+
+
+def _match_rank(name: str, class_name: str, target: str) -> int | None:
+    """How specifically ``target`` names the module: 0 its name, 1 a ``re:`` pattern, 2 its class (or a glob);
+    None when it does not match."""
     if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return target == class_name or target == name or fnmatch.fnmatchcase(name, target)
+        return 1 if re.match(target[3:], name) is not None else None
+    if target == name:
+        return 0
+    return 2 if target == class_name or fnmatch.fnmatchcase(name, target) else None
+
+
+def matching_group(name: str, class_name: str, groups: dict) -> str | None:
+    """The config group whose targets name the module most specifically (exact name, then ``re:``, then
+    class), as compressed-tensors (and so transformers and vLLM) resolves several matching groups; the first
+    listed among equals. None when no group matches."""
+    best, best_rank = None, None
+    for group_name, group in groups.items():
+        ranks = [r for r in (_match_rank(name, class_name, t) for t in group.get("targets") or []) if r is not None]
+        if ranks and (best_rank is None or min(ranks) < best_rank):
+            best, best_rank = group_name, min(ranks)
+    return best
 
 
 # ------------------------------------------------------------ other readers

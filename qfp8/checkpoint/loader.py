@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from qfp8.checkpoint.naming import CheckpointNames
-from qfp8.checkpoint.readers import CheckpointPlan, check_scale, open_checkpoint
+from qfp8.checkpoint.readers import CheckpointPlan, check_scale, check_scale_dtype, open_checkpoint
 from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.nn.attention import use_packed_sdpa
 from qfp8.nn.experts import QExperts, find_fused_experts, use_fp8_experts
@@ -447,6 +447,7 @@ def normalize_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch
                 names = [key[: -len(old)] + suffix for suffix in new]
         for name in names:
             if name.endswith(("_scale",)):
+                check_scale_dtype(value, f"state dict tensor {key!r}")
                 value = value.to(torch.float32)
                 if value.dim() == 0:
                     value = value.reshape(1)

@@ -68,9 +68,19 @@ class StoredTensor:
     def load(self, mmap: bool = True) -> torch.Tensor:
         value = self.file.get(self.name) if mmap else self.file.read(self.name)
         if self.scale_shape is not None:
+            check_scale_dtype(value, f"{self.file.path}: {self.name}")
             value = value.to(torch.float32).reshape(self.scale_shape)
             check_scale(value, f"{self.file.path}: {self.name}")
         return value
+
+
+def check_scale_dtype(value: torch.Tensor, where: str) -> None:
+    """A scale is stored in a float dtype; an integer or bool one would be read as the wrong numbers."""
+    if not value.is_floating_point() or value.dtype.itemsize == 1:
+        raise ValueError(
+            f"{where} is {value.dtype}; scales are stored as float32, bfloat16 or float16 (as the quantizing tool "
+            "wrote them)"
+        )
 
 
 def check_scale(value: torch.Tensor, where: str) -> None:
@@ -347,10 +357,7 @@ def _read_compressed_tensors(checkpoint: Checkpoint, plan: CheckpointPlan) -> No
     for module in modules:
         if any(qconfig.matches(module, "Linear", target) for target in ignore):
             raise ValueError(f"{where}: module {module!r} is in 'ignore' but the checkpoint holds its weight_scale")
-        group_name = next(
-            (g for g, group in groups.items() if any(qconfig.matches(module, "Linear", t) for t in group["targets"])),
-            None,
-        )
+        group_name = qconfig.matching_group(module, "Linear", groups)
         if group_name is None:
             raise ValueError(f"{where}: module {module!r} has a weight_scale but matches no config_group's targets")
         if module + ".weight" not in checkpoint.where:

@@ -239,6 +239,13 @@ def is_temporary_file(name: str) -> bool:
     return bool(TEMP_FILE.fullmatch(name) or OLD_TEMP_FILE.fullmatch(name))
 
 
+def _umask() -> int:
+    """The process umask (read by setting it and setting it back: the one portable way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def _interrupts_deferred():
     """SIGINT (Ctrl-C) received inside the block is delivered when it ends (main thread only)."""
@@ -290,6 +297,7 @@ class AtomicDirectoryWrite:
         """A temporary path whose file becomes ``directory/name`` on commit."""
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.qfp8-", suffix=".tmp", dir=self.directory)
         os.close(fd)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file 0600; a checkpoint is shared as open() would
         self.pending[name] = Path(tmp)
         return Path(tmp)
 

@@ -57,6 +57,12 @@ def scaled_linear(
     activation: str,
     activation_dtype: torch.dtype,
 ) -> torch.Tensor:
+    if not x.is_floating_point() or x.dim() == 0:
+        # A RuntimeError, as the kernels give: QLinear turns it into the TypeError / ValueError naming the layer.
+        raise RuntimeError(
+            f"qfp8::scaled_linear: x must be a floating-point tensor of at least one dimension, got {x.dtype} "
+            f"{list(x.shape)}"
+        )
     k = x.shape[-1]
     x2d = x.reshape(-1, k)
     w = formats.dequantize_weight(weight, weight_scale, block_size or None)

@@ -145,3 +145,61 @@ def test_optimum_quanto_folder(tiny, tmp_path, x):
         ours = loaded(x).logits
     assert formats.sqnr(theirs, ours) > 40  # the same FP8 weights and scales
     assert formats.sqnr(reference, ours) > 20
+
+
+def test_config_groups_resolve_by_compressed_tensors_priority():
+    from qfp8.checkpoint import config as qconfig
+
+    groups = {
+        "by_class": {"targets": ["Linear"]},
+        "by_regex": {"targets": ["re:.*down_proj$"]},
+        "by_name": {"targets": ["model.layers.0.mlp.down_proj"]},
+    }
+    assert qconfig.matching_group("model.layers.0.mlp.down_proj", "Linear", groups) == "by_name"
+    assert qconfig.matching_group("model.layers.1.mlp.down_proj", "Linear", groups) == "by_regex"
+    assert qconfig.matching_group("model.layers.1.mlp.up_proj", "Linear", groups) == "by_class"
+    assert qconfig.matching_group("model.layers.1.mlp.up_proj", "Conv1D", {"g": {"targets": ["Linear"]}}) is None
+
+
+def test_a_regex_group_wins_over_the_class_group_when_loading(tiny, tmp_path, x):
+    """As compressed-tensors (so transformers and vLLM) resolves it: down_proj takes the static group."""
+    import json
+
+    model = tiny.model()
+    qfp8.quantize(model, activations="static")
+    with qfp8.calibrate(model):
+        model(x)
+    qfp8.save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    qc = config["quantization_config"]
+    static_group = qc["config_groups"]["group_0"]
+    dynamic_group = json.loads(json.dumps(static_group))
+    dynamic_group["input_activations"].update(dynamic=True, strategy="token")
+    qc["config_groups"] = {
+        "group_0": {**dynamic_group, "targets": ["Linear"]},
+        "group_1": {**static_group, "targets": ["re:.*down_proj$"]},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = qfp8.from_pretrained(tmp_path)
+    down, up = loaded.model.layers[0].mlp.down_proj, loaded.model.layers[0].mlp.up_proj
+    assert down.scheme.activations == "static" and torch.equal(
+        down.input_scale, model.model.layers[0].mlp.down_proj.input_scale
+    )
+    assert up.scheme.activations == "dynamic" and up.scheme.activation_scale == "token"
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_a_scale_stored_as_an_integer_is_refused(tiny, tmp_path, dtype):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny.model()
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    key = "model.layers.0.self_attn.q_proj.weight_scale"
+    tensors[key] = torch.ones(tensors[key].shape, dtype=dtype)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{key} is {dtype}; scales are stored as float32, bfloat16 or float16"):
+        qfp8.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"{key}' is {dtype}"):
+        qfp8.load_state_dict(model, tensors)

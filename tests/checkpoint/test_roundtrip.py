@@ -561,3 +561,17 @@ def test_transformers_own_save_pretrained_is_refused_with_the_way_to_save(tiny, 
     float_model = tiny.model()  # a model qfp8 did not quantize keeps transformers' own
     float_model.save_pretrained(tmp_path / "float")
     assert (tmp_path / "float" / "model.safetensors").exists()
+
+
+def test_written_files_take_the_umask_as_open_would(tiny, tmp_path):
+    import os
+    import stat
+
+    model = quantized_model(tiny, SCHEMES["w-channel"])
+    old = os.umask(0o022)
+    try:
+        qfp8.save_pretrained(model, tmp_path)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes and all(mode == 0o644 for mode in modes.values()), modes

@@ -21,7 +21,9 @@ def test_float64_model_is_quantized_onto_the_reference_route_and_runs():
     x = torch.randn(5, 48, dtype=torch.float64)
     y = model(x)
     assert y.dtype == torch.float64
-    assert model[0].packing == "reference" and "float64" in " ".join(model[0].kernel_notes)
+    assert model[0].packing == "reference"
+    if cpu.cpu_kernel_isa() is not None:  # the report says why the kernel was passed over
+        assert "float64" in " ".join(model[0].kernel_notes)
     want = _reference(model[1], _reference(model[0], x))
     assert formats.sqnr(want, y) > 60  # W8A16: only the weights are rounded, and want uses the same weights
 
