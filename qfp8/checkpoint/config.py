@@ -223,6 +223,13 @@ def group_to_scheme(
     if not weights:
         raise ValueError(f"{where}: config group has no 'weights' entry; qfp8 reads weight-quantized groups only")
     _check_float8(weights, f"{where}.weights")
+    if weights.get("dynamic"):
+        raise ValueError(f"{where}.weights: dynamic weight scales are not a stored checkpoint qfp8 can read")
+    if group.get("output_activations"):
+        raise ValueError(
+            f"{where}: output_activations quantization is not supported (qfp8, like vLLM's FP8 schemes, quantizes "
+            "weights and inputs)"
+        )
     strategy = weights.get("strategy")
     block_size = ()
     if strategy == "block":

@@ -286,8 +286,19 @@ def _empty_weights():
 
 def _tie(model: nn.Module) -> None:
     tie = getattr(model, "tie_weights", None)
-    if callable(tie):
+    if not callable(tie):
+        return
+    try:
         tie()
+    except (KeyError, RuntimeError, AttributeError) as error:
+        tied = [name for name, m in model.named_modules() if isinstance(m, (QLinear, QExperts)) and "lm_head" in name]
+        if not tied:
+            raise
+        raise ValueError(
+            f"the config ties {tied[0]} to the input embedding (tie_word_embeddings) but the checkpoint quantizes "
+            f"{tied[0]}: a tied head shares the float embedding's weight; set tie_word_embeddings to false in "
+            f"config.json, or store {tied[0]} in float ({type(error).__name__}: {error})"
+        ) from None
 
 
 def _where(plan: CheckpointPlan | None, key: str) -> str:

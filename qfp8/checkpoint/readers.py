@@ -394,6 +394,23 @@ def _read_fp8(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
     activation_scheme = qc.get("activation_scheme", "dynamic")
     if activation_scheme not in ("static", "dynamic"):
         raise ValueError(f"{where}: unknown activation_scheme {activation_scheme!r}; expected 'static' or 'dynamic'")
+    if block:
+        try:
+            block = formats._check_block_size(tuple(block) if isinstance(block, (list, tuple)) else block)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{where}: weight_block_size must be two positive ints [block_n, block_k], got {block!r}"
+            ) from None
+        if activation_scheme == "static":
+            raise ValueError(
+                f"{where}: weight_block_size with activation_scheme 'static' is not a scheme qfp8 (or vLLM) runs: "
+                "block-scaled FP8 checkpoints quantize activations dynamically in 1 x 128 groups"
+            )
+    elif any(key.endswith(".weight_scale_inv") for key in checkpoint.where):
+        raise ValueError(
+            f"{where}: the checkpoint holds block-wise weight_scale_inv tensors but its quantization_config has no "
+            "weight_block_size"
+        )
     scale_suffix = ".weight_scale_inv" if block else ".weight_scale"
     for key in list(checkpoint.where):
         if not key.endswith(scale_suffix):
@@ -403,7 +420,7 @@ def _read_fp8(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
             raise ValueError(f"{checkpoint.where[key].path.name}: {module}.weight is missing (its {key} is present)")
         dtype = _check_weight(checkpoint, module, module + ".weight")
         if block:
-            scheme = QuantizationScheme(dtype, "block", formats._check_block_size(tuple(block)), "dynamic", "group")
+            scheme = QuantizationScheme(dtype, "block", block, "dynamic", "group")
         else:
             info = checkpoint.info(key)
             granularity = "tensor" if len(info.shape) == 0 or info.shape == (1,) else "channel"

@@ -267,3 +267,14 @@ def test_block_strategy_without_block_structure_names_the_config_key(saved):
         r"block_structure \[block_n, block_k\] .*got None",
     ):
         qfp8.from_pretrained(saved)
+
+
+def test_a_config_tying_a_quantized_lm_head_is_named(tiny, tmp_path):
+    model = tiny.model()  # untied, so quantize takes lm_head too
+    qfp8.quantize(model, exclude=())
+    qfp8.save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"the config ties lm_head to the input embedding .* quantizes lm_head"):
+        qfp8.from_pretrained(tmp_path)

@@ -203,3 +203,51 @@ def test_a_scale_stored_as_an_integer_is_refused(tiny, tmp_path, dtype):
         qfp8.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match=rf"{key}' is {dtype}"):
         qfp8.load_state_dict(model, tensors)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"weight_block_size": [32]}, r"weight_block_size must be two positive ints \[block_n, block_k\], got \[32\]"),
+        ({"weight_block_size": "32x32"}, r"weight_block_size must be two positive ints .* got '32x32'"),
+        (
+            {"weight_block_size": [32, 32], "activation_scheme": "static"},
+            r"weight_block_size with activation_scheme 'static' is not",
+        ),
+        (
+            {},
+            r"the checkpoint holds block-wise weight_scale_inv tensors but its quantization_config has no weight_block_size",
+        ),
+    ],
+    ids=["one-int", "string", "static", "no-block-size"],
+)
+def test_block_fp8_configs_qfp8_cannot_read_name_the_key(tiny, tmp_path, config, message):
+    model = tiny.model()
+    tensors = dict(model.state_dict())
+    for name, linear in _linears(model).items():
+        q, scale = formats.quantize_weight(linear.weight, granularity="block", block_size=(32, 32))
+        tensors[name + ".weight"], tensors[name + ".weight_scale_inv"] = q, scale
+    _write_hf(model, tmp_path, tensors, {"quant_method": "fp8", "activation_scheme": "dynamic", **config})
+    with pytest.raises(ValueError, match=r"config.json: " + message):
+        qfp8.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda group: group["weights"].update(dynamic=True), r"weights: dynamic weight scales are not"),
+        (lambda group: group.update(output_activations=dict(group["weights"])), r"output_activations quantization"),
+    ],
+    ids=["dynamic-weights", "output-activations"],
+)
+def test_compressed_tensors_settings_qfp8_would_ignore_are_refused(tiny, tmp_path, change, message):
+    import json
+
+    model = tiny.model()
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    change(config["quantization_config"]["config_groups"]["group_0"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        qfp8.from_pretrained(tmp_path)
