@@ -50,6 +50,7 @@ def build(hidden: int, inter: int, experts: int, top_k: int):
         hidden_size=hidden, intermediate_size=inter, num_local_experts=experts, num_experts_per_tok=top_k,
         num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8, vocab_size=32,
     )  # fmt: skip
+    torch.manual_seed(0)  # the same weights every run (the quick mode's accuracy checks are then reproducible)
     model = transformers.MixtralForCausalLM(config).eval()
     module = model.model.layers[0].mlp.experts
     for param in module.parameters():
