@@ -278,6 +278,8 @@ class AtomicDirectoryWrite:
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
+        # The folders this write creates (innermost first): a failed write removes them again.
+        self.created = [p for p in (self.directory, *self.directory.parents) if not p.exists()]
         self.directory.mkdir(parents=True, exist_ok=True)
         self.pending: dict[str, Path] = {}
         self.removed_leftovers = self._remove_leftovers()
@@ -341,6 +343,9 @@ class AtomicDirectoryWrite:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
         self.pending.clear()
+        for folder in self.created:  # only while empty: nothing of anyone else's is removed
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
     def __enter__(self):
         return self

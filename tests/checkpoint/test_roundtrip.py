@@ -575,3 +575,15 @@ def test_written_files_take_the_umask_as_open_would(tiny, tmp_path):
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
     assert modes and all(mode == 0o644 for mode in modes.values()), modes
+
+
+def test_a_failed_save_removes_the_folders_it_created(tiny, tmp_path, monkeypatch):
+    model = quantized_model(tiny, SCHEMES["w-channel"])
+
+    def failing_write(path, tensors, metadata=None):
+        raise KeyboardInterrupt("simulated interruption")
+
+    monkeypatch.setattr("qfp8.checkpoint.writer.write_safetensors", failing_write)
+    with pytest.raises(KeyboardInterrupt):
+        qfp8.save_pretrained(model, tmp_path / "new" / "a" / "b")
+    assert list(tmp_path.iterdir()) == []
