@@ -678,6 +678,34 @@ def _register_fused_attention() -> None:
     AttentionMaskInterface.register(FUSED_ATTENTION, sdpa_mask)
 
 
+def _take_scale(attention: nn.Module, scale_name: str, state_dict, key: str) -> None:
+    """Checks the stored scale ``state_dict[key]`` (one finite value > 0), puts it in float32 ``[1]`` form and
+    gives ``attention`` the buffer slot it loads into."""
+    value = state_dict[key]
+    if value.numel() != 1:
+        raise ValueError(f"{key}: an FP8 KV-cache scale is per tensor (1 value), got shape {tuple(value.shape)}")
+    value = value.detach().reshape(1).to(torch.float32)
+    if value.device.type != "meta" and not bool(torch.isfinite(value).all() and (value > 0).all()):
+        raise ValueError(
+            f"{key}: an FP8 KV-cache scale must be finite and > 0, got {value.item()} (it would give NaN or wrong "
+            "attention)"
+        )
+    state_dict[key] = value
+    if getattr(attention, scale_name) is None:
+        device = attention.k_proj.weight.device if hasattr(attention.k_proj, "weight") else None
+        with torch.inference_mode(False):  # a normal tensor even when loading under inference mode
+            attention._buffers[scale_name] = torch.empty(1, dtype=torch.float32, device=device)
+
+
+def _attention_load_pre_hook(attention, state_dict, prefix, *args) -> None:
+    """The same slots when a submodule holding the attention is loaded on its own (``model.model``): the
+    model's hook (which also handles missing scales) does not run then."""
+    for scale_name in ("k_scale", "v_scale"):
+        key = prefix + scale_name
+        if key in state_dict:
+            _take_scale(attention, scale_name, state_dict, key)
+
+
 def _load_state_dict_pre_hook(model, state_dict, prefix, *args) -> None:
     """Creates the scale buffers a state dict holds; a layer whose scale is missing falls back to dynamic."""
     carries_scales = any(key.startswith(prefix) and key.endswith((".k_scale", ".v_scale")) for key in state_dict)
@@ -688,22 +716,7 @@ def _load_state_dict_pre_hook(model, state_dict, prefix, *args) -> None:
         for scale_name in ("k_scale", "v_scale"):
             key = f"{prefix}{name}.{scale_name}"
             if key in state_dict:
-                value = state_dict[key]
-                if value.numel() != 1:
-                    raise ValueError(
-                        f"{key}: an FP8 KV-cache scale is per tensor (1 value), got shape {tuple(value.shape)}"
-                    )
-                value = value.detach().reshape(1).to(torch.float32)
-                if value.device.type != "meta" and not bool(torch.isfinite(value).all() and (value > 0).all()):
-                    raise ValueError(
-                        f"{key}: an FP8 KV-cache scale must be finite and > 0, got {value.item()} (it would give NaN "
-                        "or wrong attention)"
-                    )
-                state_dict[key] = value
-                if getattr(attention, scale_name) is None:
-                    device = attention.k_proj.weight.device if hasattr(attention.k_proj, "weight") else None
-                    with torch.inference_mode(False):  # a normal tensor even when loading under inference mode
-                        attention._buffers[scale_name] = torch.empty(1, dtype=torch.float32, device=device)
+                _take_scale(attention, scale_name, state_dict, key)
             elif carries_scales:
                 attention._buffers[scale_name] = None
                 missing.append(key)
@@ -763,6 +776,7 @@ def enable_fp8_kv_cache(
         module.register_buffer("k_scale", None)
         module.register_buffer("v_scale", None)
         module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+        module.register_load_state_dict_pre_hook(_attention_load_pre_hook)
     if not getattr(model, "_qfp8_kv_load_hook", False):
         model.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
         model._qfp8_kv_load_hook = True

@@ -592,3 +592,20 @@ def test_freeze_of_a_model_with_an_fp8_kv_cache_only_is_a_no_op(base_model, prom
     assert qfp8.freeze(model) is model
     with pytest.raises(ValueError, match="has no QLinear"):
         qfp8.freeze(copy.deepcopy(base_model))
+
+
+def test_a_submodule_holding_the_attention_loads_its_scales(base_model, prompt):
+    model = copy.deepcopy(base_model)
+    kvc.enable_fp8_kv_cache(model)
+    with torch.no_grad(), qfp8.calibrate(model):
+        model(prompt)
+    fresh = copy.deepcopy(base_model)
+    kvc.enable_fp8_kv_cache(fresh)
+    fresh.model.load_state_dict(model.model.state_dict())  # the decoder alone, not the whole model
+    pairs = zip(kvc.attention_modules(fresh).values(), kvc.attention_modules(model).values(), strict=True)
+    for ours, theirs in pairs:
+        assert torch.equal(ours.k_scale, theirs.k_scale) and torch.equal(ours.v_scale, theirs.v_scale)
+    state = model.model.state_dict()
+    state["layers.0.self_attn.k_scale"] = torch.tensor([float("nan")])
+    with pytest.raises(ValueError, match=r"layers.0.self_attn.k_scale: .*finite and > 0"):
+        fresh.model.load_state_dict(state)
