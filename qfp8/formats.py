@@ -134,6 +134,20 @@ def first_nonfinite(q: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(reversed(index))
 
 
+def scale_problem(scale: torch.Tensor) -> str | None:
+    """What is wrong with a scale's values for the kernels, or None: a scale multiplies on dequantization, so
+    NaN/Inf gives NaN outputs and zero or negative wrong ones. Meta tensors have no values: None."""
+    if scale.device.type == "meta":
+        return None
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if not bad.any():
+        return None
+    return (
+        f"{int(bad.sum())} of {scale.numel()} value(s) that are NaN/Inf, zero or negative (first: "
+        f"{scale[bad][0].item()}); scales must be finite and > 0"
+    )
+
+
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (amax.to(torch.float32).clamp(min=EPS) / fp8_max(dtype)).to(torch.float32)
 

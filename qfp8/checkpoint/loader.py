@@ -561,8 +561,11 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
     return model
 
 
-def _build_model(transformers, config, dtype: torch.dtype) -> nn.Module:
-    """The class config.json's ``architectures`` names (a classifier, an encoder-decoder...), else a causal LM."""
+def build_model(transformers, config, dtype: torch.dtype | None = None, bare_fallback: bool = False) -> nn.Module:
+    """The class config.json's ``architectures`` names (a classifier, an encoder-decoder, a headless model),
+    else a causal LM; with ``bare_fallback`` (the CLI, which only needs the module names), else the bare model,
+    and a config none of these takes is a one-line ValueError."""
+    kwargs = {} if dtype is None else {"dtype": dtype}
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         # Only a class made for this config: a hand-edited architectures could name another model's.
@@ -571,8 +574,20 @@ def _build_model(transformers, config, dtype: torch.dtype) -> nn.Module:
             and issubclass(cls, transformers.PreTrainedModel)
             and isinstance(config, cls.config_class)
         ):
-            return cls._from_config(config, dtype=dtype)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return cls._from_config(config, **kwargs)
+    if not bare_fallback:
+        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        try:
+            return auto.from_config(config, **kwargs)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            last = error
+    first_line = str(last).strip().splitlines()[0] if str(last).strip() else type(last).__name__
+    architectures = getattr(config, "architectures", None) or []
+    raise ValueError(
+        f"transformers cannot build a {getattr(config, 'model_type', '?')} model "
+        f"({', '.join(architectures) or 'no architectures in config.json'}) to find its linear layers: {first_line}"
+    )
 
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -629,7 +644,7 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
         del config.quantization_config  # qfp8 does the quantization; transformers must not
     dtype = _compute_dtype(dtype, getattr(config, "dtype", None))
     with _empty_weights():
-        model = _build_model(transformers, config, dtype)
+        model = build_model(transformers, config, dtype)
     schemes, state, expert_weights = checkpoint_to_model(model, plan.schemes, plan.state_dict(mmap=True))
     build_skeleton(model, schemes)
     if plan.kv_cache_dtype is not None:

@@ -84,13 +84,10 @@ def check_scale_dtype(value: torch.Tensor, where: str) -> None:
 
 
 def check_scale(value: torch.Tensor, where: str) -> None:
-    """A scale multiplies on dequantization: NaN/Inf gives NaN outputs, zero or negative gives wrong ones."""
-    bad = ~(torch.isfinite(value) & (value > 0))
-    if bad.any():
-        raise ValueError(
-            f"{where} holds {int(bad.sum())} of {value.numel()} value(s) that are NaN/Inf, zero or negative "
-            f"(first: {value[bad][0].item()}); scales must be finite and > 0"
-        )
+    """ValueError naming ``where`` for a scale the kernels cannot use (:func:`qfp8.formats.scale_problem`)."""
+    problem = formats.scale_problem(value)
+    if problem is not None:
+        raise ValueError(f"{where} holds {problem}")
 
 
 @dataclass

@@ -56,6 +56,7 @@ import torch
 from qfp8 import formats, rounding
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint import layerwise
+from qfp8.checkpoint.loader import build_model
 from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.readers import open_checkpoint
 from qfp8.checkpoint.safetensors_io import PlannedTensor
@@ -109,28 +110,6 @@ def quantize_rows(weight: torch.Tensor, scale: torch.Tensor, scheme: Quantizatio
     return out
 
 
-def _skeleton(transformers, config) -> torch.nn.Module:
-    """The model class the checkpoint was saved from (``config.architectures``), else a causal LM, else the
-    bare model: its module names are the checkpoint's (a classifier's ``score``, a headless ``LlamaModel``)."""
-    architectures = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, architectures[0], None) if architectures else None
-    builders = [lambda: cls._from_config(config)] if isinstance(cls, type) else []
-    builders += [
-        lambda: transformers.AutoModelForCausalLM.from_config(config),
-        lambda: transformers.AutoModel.from_config(config),
-    ]
-    for build in builders:
-        try:
-            return build()
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            last = error
-    first_line = str(last).strip().splitlines()[0] if str(last).strip() else type(last).__name__
-    raise ValueError(
-        f"transformers cannot build a {getattr(config, 'model_type', '?')} model "
-        f"({', '.join(architectures) or 'no architectures in config.json'}) to find its linear layers: {first_line}"
-    )
-
-
 def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, tuple[str, list[str]]]]:
     """The checkpoint names of the model's ``nn.Linear`` modules, and of its fused experts' parts (each
     mapped to the model name of its fused parameter and the parts of its expert, e.g.
@@ -139,7 +118,7 @@ def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, tuple[str, lis
 
     config = transformers.AutoConfig.from_pretrained(config_dir)
     with torch.device("meta"):
-        model = _skeleton(transformers, config)
+        model = build_model(transformers, config, bare_fallback=True)
     names = CheckpointNames(model)
     linears = [
         names.to_checkpoint(name + ".weight")[: -len(".weight")]

@@ -23,6 +23,8 @@ applies when a gradient is needed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from qfp8.library.routing import KernelRequest, kernel_by_name
@@ -39,6 +41,17 @@ torch.library.define(
 def _(x, expert_ids, weights, weight_scales, input_scales, kernel, granularity, block_size, activation,
       activation_dtype, out_features, in_features):  # fmt: skip
     return x.new_empty((x.shape[0], out_features))
+
+
+def expert_rows(expert_ids: torch.Tensor, experts: int) -> Iterator[tuple[int, slice]]:
+    """``(expert, rows)`` for each of the ``experts`` that has rows in ``expert_ids`` (sorted ascending); ids
+    equal to ``experts`` (pairs another rank computes) come last and are left out."""
+    counts = torch.bincount(expert_ids, minlength=experts + 1).tolist()
+    start = 0
+    for expert, count in enumerate(counts[:experts]):
+        if count:
+            yield expert, slice(start, start + count)
+            start += count
 
 
 def experts_linear_impl(
@@ -86,14 +99,9 @@ def experts_linear_impl(
         x_dtype=x.dtype,
     )
     extra = linear.extra_args(request)
-    counts = torch.bincount(expert_ids, minlength=experts + 1).tolist()
-    start = 0
-    for expert, count in enumerate(counts[:experts]):
-        if count:
-            rows = slice(start, start + count)
-            scale = input_scales[expert] if input_scales else None
-            out[rows] = linear.op(x[rows], weights[expert], weight_scales[expert], None, scale, *extra)
-            start += count
+    for expert, rows in expert_rows(expert_ids, experts):
+        scale = input_scales[expert] if input_scales else None
+        out[rows] = linear.op(x[rows], weights[expert], weight_scales[expert], None, scale, *extra)
     return out
 
 
@@ -126,17 +134,11 @@ def experts_linear_grad_input_impl(
     weight (the activation quantization of W8A8 counts as the identity, as for a single linear)."""
     from qfp8.library.autograd import grad_input_linear
 
-    experts = len(weights)
     out = torch.zeros((grad.shape[0], in_features), dtype=torch.float32, device=grad.device)
     unpack = kernel_by_name(kernel).unpack
-    counts = torch.bincount(expert_ids, minlength=experts + 1).tolist() if grad.shape[0] else []
-    start = 0
-    for expert, count in enumerate(counts[:experts]):
-        if count:
-            rows = slice(start, start + count)
-            weight = unpack(weights[expert], out_features, in_features)
-            out[rows] = grad_input_linear(grad[rows].float(), weight, weight_scales[expert], list(block_size))
-            start += count
+    for expert, rows in expert_rows(expert_ids, len(weights)):
+        weight = unpack(weights[expert], out_features, in_features)
+        out[rows] = grad_input_linear(grad[rows].float(), weight, weight_scales[expert], list(block_size))
     return out
 
 

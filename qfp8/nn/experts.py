@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qfp8.library.experts import ExpertsLinear
+from qfp8.library.experts import ExpertsLinear, expert_rows
 from qfp8.nn.qlinear import QLinear, take_expected
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.tensor import Float8WeightTensor
@@ -373,7 +373,7 @@ def experts_forward(
     num_tokens, hidden_dim = hidden_states.shape
     num_top_k = top_k_index.shape[-1]
     up = self.gate_up_proj if self.has_gate else self.up_proj
-    if torch.compiler.is_compiling() and _traceable(up, self.down_proj, hidden_states):
+    if torch.compiler.is_compiling() and _traceable(up, self.down_proj):
         return _experts_forward_traced(self, up, hidden_states, top_k_index, top_k_weights)
 
     def expert_output(expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -394,25 +394,19 @@ def experts_forward(
     expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
     if expert_ids.numel():
         _check_expert_ids(self, int(expert_ids[0]), int(expert_ids[-1]))
-    counts = torch.bincount(expert_ids, minlength=self.num_experts).tolist()
     tokens = order // num_top_k
     selected = hidden_states[tokens]
     out = torch.zeros(len(order), hidden_dim, dtype=torch.float32, device=hidden_states.device)
-    start = 0
-    for expert, count in enumerate(counts[: self.num_experts]):  # ids past the experts: not this rank's (EP)
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        start += count
+    for expert, rows in expert_rows(expert_ids, self.num_experts):  # ids past the experts: not this rank's (EP)
         out[rows] = expert_output(expert, selected[rows])
     out *= top_k_weights.reshape(-1)[order, None]
     final = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=hidden_states.device)
     return final.index_add_(0, tokens, out).to(hidden_states.dtype)
 
 
-def _traceable(up, down, hidden_states: torch.Tensor) -> bool:
+def _traceable(up, down) -> bool:
     """Whether a traced graph can run the layer through ``torch.ops.qfp8.experts_linear``: both weights FP8
-    experts, none calibrating, and no gradient to carry (the op has no backward; the eager loop does)."""
+    experts and none calibrating (a gradient goes through :class:`ExpertsLinear`)."""
     return (
         isinstance(up, QExperts)
         and isinstance(down, QExperts)

@@ -685,11 +685,9 @@ def _take_scale(attention: nn.Module, scale_name: str, state_dict, key: str) -> 
     if value.numel() != 1:
         raise ValueError(f"{key}: an FP8 KV-cache scale is per tensor (1 value), got shape {tuple(value.shape)}")
     value = value.detach().reshape(1).to(torch.float32)
-    if value.device.type != "meta" and not bool(torch.isfinite(value).all() and (value > 0).all()):
-        raise ValueError(
-            f"{key}: an FP8 KV-cache scale must be finite and > 0, got {value.item()} (it would give NaN or wrong "
-            "attention)"
-        )
+    problem = formats.scale_problem(value)
+    if problem is not None:
+        raise ValueError(f"{key}: an FP8 KV-cache scale holds {problem}")
     state_dict[key] = value
     if getattr(attention, scale_name) is None:
         device = attention.k_proj.weight.device if hasattr(attention.k_proj, "weight") else None

@@ -706,13 +706,9 @@ class QLinear(nn.Module):
             loaded["input_scale"] = loaded["input_scale"].reshape(1).to(torch.float32)
         # Values the kernels cannot use: NaN/Inf FP8 codes, scales that are not finite and > 0.
         for key in ("weight_scale", "input_scale"):
-            if key in loaded and loaded[key].device.type != "meta":
-                bad = ~(torch.isfinite(loaded[key]) & (loaded[key] > 0))
-                if bad.any():
-                    error_msgs.append(
-                        f"{prefix}{key}: {int(bad.sum())} of {loaded[key].numel()} value(s) are NaN/Inf, zero or "
-                        f"negative (first: {loaded[key][bad][0].item()}); scales must be finite and > 0"
-                    )
+            problem = formats.scale_problem(loaded[key]) if key in loaded else None
+            if problem is not None:
+                error_msgs.append(f"{prefix}{key}: holds {problem}")
         if "weight" in loaded:
             at = formats.first_nonfinite(loaded["weight"])
             if at is not None:

@@ -522,12 +522,17 @@ def test_decode_compiles_with_fullgraph_and_no_recompile_when_the_routing_change
     torch._dynamo.reset()
 
 
+def quantized_down_proj() -> QExperts:
+    """The W8A16 down_proj experts (4 experts) of layer 0 of a quantized tiny Mixtral."""
+    model = moe()
+    quiet_quantize(model)
+    return model.model.layers[0].mlp.experts.down_proj
+
+
 def test_experts_linear_op_checks_ids_and_gives_zeros_to_other_ranks_rows():
     from qfp8.library.testing import opcheck
 
-    model = moe()
-    quiet_quantize(model)
-    qexperts = model.model.layers[0].mlp.experts.down_proj
+    qexperts = quantized_down_proj()
     x = torch.randn(5, qexperts.in_features)
     ids = torch.tensor([0, 0, 2, 3, 4])  # 4 = num_experts: a pair another rank computes
     args = (
@@ -847,9 +852,7 @@ def test_experts_linear_grad_input_op():
     from qfp8 import formats
     from qfp8.library.testing import opcheck
 
-    model = moe()
-    quiet_quantize(model)
-    qexperts = model.model.layers[0].mlp.experts.down_proj
+    qexperts = quantized_down_proj()
     grad = torch.randn(5, qexperts.out_features)
     ids = torch.tensor([0, 1, 1, 3, 4])  # 4: another rank's pair, no gradient
     args = ([e.qweight for e in qexperts.experts], [e.weight_scale for e in qexperts.experts], qexperts.packing, [])
