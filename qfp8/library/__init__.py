@@ -23,8 +23,8 @@ except ModuleNotFoundError as error:  # a source tree without the CUDA route mod
     if error.name != "qfp8.library.cuda":
         raise
 
-from qfp8.library.autograd import register_reference_backward  # noqa: E402
+from qfp8.library.autograd import register_backward  # noqa: E402
 
-register_reference_backward()
+register_backward("qfp8::scaled_linear")
 
 __all__ = ["KernelRequest", "LinearKernel", "kernel_by_name", "register_kernel", "select_kernel"]

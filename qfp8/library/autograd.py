@@ -12,13 +12,17 @@ to inputs) and a bias the user made trainable get gradients:
 
 :func:`linear` applies it: a call that needs a gradient goes through
 :class:`_Linear`, an ``autograd.Function``; any other call is the op itself.
-The formula is deliberately not registered on the ops' Autograd dispatch key:
-a Python kernel there runs on every dispatcher call, gradient or not, and
+The formula is not registered as a Python kernel on the ops' Autograd
+dispatch key: one runs on every dispatcher call, gradient or not, and
 measured 20-30 us more per call here (about half a small layer's whole
 cost in compiled decode). ``QLinear``, ``Float8WeightTensor`` and the CPU
-kernel's eager entry call :func:`linear`; the reference op, a
-``torch.library.custom_op`` that has a Python autograd kernel anyway, also
-gets the formula for direct calls.
+kernel's eager entry call :func:`linear`. Direct calls (a graph
+``torch.export`` traced holds the ops themselves) get the formula too: the
+reference op, a ``torch.library.custom_op`` that has a Python autograd
+kernel anyway, through :func:`register_backward`; the CPU kernel's op
+(and ``experts_linear``) through the extension's C++ Autograd kernel, which checks whether a gradient is needed and only then calls
+:func:`apply_linear` (0.04 us a call otherwise). The CUDA kernels' ops
+refuse a direct call that needs a gradient.
 """
 
 from __future__ import annotations
@@ -113,18 +117,22 @@ def linear(op, unpack, *args):
     None when the weight argument is canonical already).
     """
     if needs_grad(args[0], args[3]):
-        _layout(args)  # a TypeError for arguments of no linear op, before any work
-        return _Linear.apply(op, unpack, *args)
+        return apply_linear(op, unpack, *args)
     return op(*args)
 
 
-def _reference_setup_context(ctx, inputs, output):
-    ctx.count = len(inputs)
-    _setup(ctx, None, inputs)
+def apply_linear(op, unpack, *args):
+    """:func:`linear` for a call known to need a gradient (the CPU kernel op's Autograd kernel sends those here)."""
+    _layout(args)  # a TypeError for arguments of no linear op, before any work
+    return _Linear.apply(op, unpack, *args)
 
 
-def register_reference_backward() -> None:
-    """Direct calls of the reference op (a custom op, which has an autograd kernel anyway) get the formula too."""
-    torch.library.register_autograd(
-        "qfp8::scaled_linear", lambda ctx, grad: _grads(ctx, grad, ctx.count, 0), setup_context=_reference_setup_context
-    )
+def register_backward(op: str, unpack=None) -> None:
+    """Direct calls of ``op`` get the formula as a Python autograd kernel: the reference op (a custom op, which
+    has a Python autograd kernel anyway), and the CPU kernel's op where the extension is missing."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.count = len(inputs)
+        _setup(ctx, unpack, inputs)
+
+    torch.library.register_autograd(op, lambda ctx, grad: _grads(ctx, grad, ctx.count, 0), setup_context=setup_context)

@@ -41,6 +41,7 @@ from qfp8 import formats
 from qfp8.ext import load_cpu_extension
 from qfp8.library import (
     autograd,
+    experts,
     ops,  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
 )
 from qfp8.library.ops import ACTIVATION_MODES
@@ -146,12 +147,22 @@ def _eager_fallback(*args):
     return op(*args)
 
 
+def _differentiable(*args):
+    """A call of the op that needs a gradient, sent here by its Autograd kernel: the op under autograd.linear."""
+    op, unpack = torch.ops.qfp8.scaled_linear_cpu.default, torch.ops.qfp8.unpack_weight_cpu.default
+    return autograd.apply_linear(op, unpack, *args)
+
+
 _EXTENSION = load_cpu_extension()
 if _EXTENSION is not None:
     # QLinear's eager fast path calls qfp8._C.scaled_linear_cpu_eager, which
     # parses its arguments itself (7 us less per call than torch.ops' boxing)
     # and hands any call that needs the dispatcher to the op.
     _EXTENSION._set_eager_fallback(_eager_fallback, torch.nn.Parameter)
+    # The extension's Autograd kernel of these ops sends each call that needs
+    # a gradient here (a graph torch.export traced calls the ops directly).
+    _EXTENSION._set_differentiable("qfp8::scaled_linear_cpu", _differentiable)
+    _EXTENSION._set_differentiable("qfp8::experts_linear", experts.ExpertsLinear.apply)
 
 if _EXTENSION is None:
     # No compiled kernel: the op still has its meaning (unpack, then the
@@ -162,6 +173,12 @@ if _EXTENSION is None:
     ):
         weight = _unpack_weight_cpu(packed_weight, out_features, in_features)
         return torch.ops.qfp8.scaled_linear(x, weight, weight_scale, bias, input_scale, block_size, activation, dtype)
+
+    # Without the extension's Autograd kernel, direct calls that need a
+    # gradient get the formulas as Python autograd kernels (nothing here is
+    # fast enough for their cost per call to matter).
+    autograd.register_backward("qfp8::scaled_linear_cpu", torch.ops.qfp8.unpack_weight_cpu.default)
+    experts.register_backward()
 
 
 def usable_isas() -> list[str]:

@@ -18,7 +18,9 @@ cannot hold the per-expert calls: the op is opaque to ``torch.compile``
 with ``fullgraph=True`` and no recompilation when the routing changes.
 ``experts_linear_grad_input`` is its input gradient (each expert's rows of
 the output gradient times its dequantized weight), which :class:`ExpertsLinear`
-applies when a gradient is needed.
+applies when a gradient is needed: the MoE layer calls it so, and with the
+CPU extension a direct call of the op that needs a gradient (a graph
+``torch.export`` traced) reaches it through the extension's Autograd kernel.
 """
 
 from __future__ import annotations
@@ -149,12 +151,17 @@ class ExpertsLinear(torch.autograd.Function):
     """``experts_linear`` with the input gradient (weights and scales are frozen buffers: none for them)."""
 
     @staticmethod
-    def forward(ctx, x, expert_ids, weights, weight_scales, input_scales, *args):
-        kernel, granularity, block_size, activation, activation_dtype, out_features, in_features = args
+    def forward(*args):
+        return torch.ops.qfp8.experts_linear(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        """Also the op's own autograd setup where the CPU extension is missing (:func:`register_backward`)."""
+        x, expert_ids, weights, weight_scales, _, kernel, _, block_size, _, _, out_features, in_features = inputs
         ctx.save_for_backward(expert_ids, *weights, *weight_scales)
         ctx.experts, ctx.kernel, ctx.block_size = len(weights), kernel, block_size
+        ctx.list_lengths = [len(value) if isinstance(value, list | tuple) else None for value in inputs]
         ctx.sizes, ctx.x_dtype = (out_features, in_features), x.dtype
-        return torch.ops.qfp8.experts_linear(x, expert_ids, weights, weight_scales, input_scales, *args)
 
     @staticmethod
     def backward(ctx, grad):
@@ -164,3 +171,14 @@ class ExpertsLinear(torch.autograd.Function):
             grad, expert_ids, weights, weight_scales, ctx.kernel, ctx.block_size, *ctx.sizes
         )
         return (grad_x.to(ctx.x_dtype), *([None] * 11))
+
+
+def register_backward() -> None:
+    """Gives the op a Python autograd kernel: where the CPU extension, whose C++ Autograd kernel would send the
+    calls that need a gradient to :class:`ExpertsLinear`, is missing (see qfp8/library/cpu.py)."""
+
+    def backward(ctx, grad):
+        (grad_x, *_) = ExpertsLinear.backward(ctx, grad)  # then one None per input, a list of them per list
+        return (grad_x, *(None if n is None else [None] * n for n in ctx.list_lengths[1:]))
+
+    torch.library.register_autograd("qfp8::experts_linear", backward, setup_context=ExpertsLinear.setup_context)

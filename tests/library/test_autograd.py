@@ -1,7 +1,8 @@
 """Backward through the linear ops (qfp8/library/autograd.py): x and bias get gradients, the FP8 weights none.
 
 Every op is differentiable through ``autograd.linear`` (what QLinear and
-Float8WeightTensor call); the reference op also when called directly, the
+Float8WeightTensor call); the reference op and the CPU kernel's op also when
+called directly (a graph torch.export traced calls them so), the CUDA
 kernels' ops refuse a direct call that needs a gradient.
 """
 
@@ -82,12 +83,12 @@ def test_no_gradient_is_asked_for_the_weight_or_scales():
         assert torch.isfinite(grad_x).all() and grad_x.abs().sum() > 0, name
 
 
-def test_direct_calls_reference_differentiates_kernels_refuse():
+def test_direct_calls_reference_and_cpu_differentiate_cuda_kernels_refuse():
     q, scale, block_size = _layer("channel")
     x = torch.randn(3, K, requires_grad=True)
     for name, (op, unpack, weight, tail) in _ops(q, block_size).items():
         args = (x, weight, scale, None, None, *tail, "token", torch.float8_e4m3fn)
-        if name == "reference":
+        if name in ("reference", "cpu"):
             opcheck(op, args)  # test_autograd_registration included
             (grad_x,) = torch.autograd.grad(op(*args).sum(), x)
             (want,) = torch.autograd.grad(autograd.linear(op, unpack, *args).sum(), x)

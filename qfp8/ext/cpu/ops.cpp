@@ -14,6 +14,9 @@
 // is, or the quantized FP8 values (exact in bf16) instead of the buffer.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -26,6 +29,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+#include <unordered_map>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e4m3fnuz.h>
@@ -501,13 +505,6 @@ at::Tensor scaled_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
                              int64_t out_features, int64_t in_features, at::IntArrayRef block_size,
                              c10::string_view activation, at::ScalarType activation_dtype) {
   TORCH_CHECK(x.dim() >= 1, "qfp8::scaled_linear_cpu: x must have at least one dimension, got a scalar");
-  // The op has no Autograd kernel (one in Python would cost every call tens
-  // of us): a direct call that needs a gradient would silently get none.
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !(c10::GradMode::is_enabled() && (x.requires_grad() || (bias && bias->requires_grad()))),
-      "qfp8::scaled_linear_cpu called directly is not differentiable; call "
-      "qfp8.library.autograd.linear(torch.ops.qfp8.scaled_linear_cpu.default, ...) (QLinear and "
-      "Float8WeightTensor do) for gradients with respect to x and the bias");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
   at::Tensor out = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
@@ -702,6 +699,103 @@ PyObject* set_eager_fallback(PyObject* /*module*/, PyObject* const* args, Py_ssi
   Py_RETURN_NONE;
 }
 
+// ------------------------------------------------------ Autograd kernel
+//
+// qfp8::scaled_linear_cpu and qfp8::experts_linear get gradients for their
+// argument `x` (and `bias`) from Python formulas (qfp8.library.autograd,
+// ExpertsLinear), which QLinear and the MoE layer apply themselves. A graph
+// torch.export traced calls the ops directly, though, and so can a user. This
+// kernel, on the ops' Autograd key, lets a call that needs no gradient go on
+// to the op's kernel after one check; a call that needs one (grad mode on, x
+// or the bias requiring grad) goes to the Python callable registered for the
+// op, which applies the formula. Only those calls pay for entering Python.
+
+std::unordered_map<std::string, PyObject*> g_differentiable;  // op name -> callable taking the op's arguments
+
+PyObject* set_differentiable(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyUnicode_Check(args[0]) || !PyCallable_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "qfp8._C._set_differentiable(op_name, fn): expected a str and a callable");
+    return nullptr;
+  }
+  const char* name = PyUnicode_AsUTF8(args[0]);
+  if (name == nullptr) return nullptr;
+  Py_INCREF(args[1]);
+  PyObject*& slot = g_differentiable[name];
+  Py_XDECREF(slot);
+  slot = args[1];
+  Py_RETURN_NONE;
+}
+
+// A new reference to the Python value of an op argument (the types these ops' schemas use).
+PyObject* argument_to_python(const c10::IValue& value, const c10::Argument& argument) {
+  if (value.isNone()) Py_RETURN_NONE;
+  if (value.isTensor()) return THPVariable_Wrap(value.toTensor());
+  if (value.isString()) {
+    const std::string& text = value.toStringRef();
+    return PyUnicode_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size()));
+  }
+  if (value.isInt() && argument.real_type()->kind() == c10::TypeKind::ScalarTypeType) {
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<at::ScalarType>(value.toInt())));
+    Py_INCREF(dtype);
+    return dtype;
+  }
+  if (value.isInt()) return PyLong_FromLongLong(value.toInt());
+  if (value.isDouble()) return PyFloat_FromDouble(value.toDouble());
+  if (value.isBool()) return PyBool_FromLong(value.toBool());
+  const bool tensors = value.isTensorList();
+  TORCH_CHECK(tensors || value.isIntList(), "qfp8: the gradient path cannot pass argument '", argument.name(),
+              "' (", value.tagKind(), ") to Python");
+  const size_t size = tensors ? value.toTensorList().size() : value.toIntList().size();
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(size));
+  for (size_t i = 0; list != nullptr && i < size; ++i) {
+    PyObject* item = tensors ? THPVariable_Wrap(value.toTensorList().get(i))
+                             : PyLong_FromLongLong(value.toIntList().get(i));
+    if (item == nullptr) {
+      Py_CLEAR(list);
+      break;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+  }
+  return list;
+}
+
+void differentiable_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const c10::FunctionSchema& schema = op.schema();
+  const size_t count = schema.arguments().size();
+  const size_t first = stack->size() - count;
+  bool needs_grad = false;
+  if (c10::GradMode::is_enabled()) {
+    for (const char* name : {"x", "bias"}) {
+      const std::optional<int> index = schema.argumentIndexWithName(name);
+      const c10::IValue* value = index ? &(*stack)[first + static_cast<size_t>(*index)] : nullptr;
+      needs_grad = needs_grad || (value != nullptr && value->isTensor() && value->toTensor().requires_grad());
+    }
+  }
+  if (!needs_grad) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    op.callBoxed(stack);
+    return;
+  }
+  pybind11::gil_scoped_acquire gil;
+  const auto found = g_differentiable.find(schema.name());
+  TORCH_CHECK(found != g_differentiable.end(), schema.name(), ": no gradient path is registered (import qfp8)");
+  std::vector<PyObject*> args(count, nullptr);
+  bool complete = true;
+  for (size_t i = 0; i < count && complete; ++i) {
+    args[i] = argument_to_python((*stack)[first + i], schema.arguments()[i]);
+    complete = args[i] != nullptr;
+  }
+  PyObject* result = complete ? PyObject_Vectorcall(found->second, args.data(), count, nullptr) : nullptr;
+  for (PyObject* arg : args) Py_XDECREF(arg);
+  if (result == nullptr) throw python_error();
+  const bool tensor = THPVariable_Check(result);
+  at::Tensor out = tensor ? THPVariable_Unpack(result) : at::Tensor();
+  Py_DECREF(result);
+  TORCH_CHECK(tensor, schema.name(), ": the gradient path returned no tensor");
+  torch::jit::drop(*stack, count);
+  stack->emplace_back(std::move(out));
+}
+
 PyMethodDef kMethods[] = {
     {"scaled_linear_cpu_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(scaled_linear_cpu_eager)),
      METH_FASTCALL,
@@ -709,10 +803,18 @@ PyMethodDef kMethods[] = {
      "mode; any other call goes to the fallback set by _set_eager_fallback."},
     {"_set_eager_fallback", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_eager_fallback)),
      METH_FASTCALL, "Sets the callable that takes every call the eager entry does not, and torch.nn.Parameter."},
+    {"_set_differentiable", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_differentiable)),
+     METH_FASTCALL, "Sets the callable that takes the calls of an op (by name) that need a gradient."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
 }  // namespace qfp8
+
+TORCH_LIBRARY_IMPL(qfp8, Autograd, m) {
+  for (const char* name : {"scaled_linear_cpu", "experts_linear"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&qfp8::differentiable_autograd>());
+  }
+}
 
 // Importing the module runs the registrations above.
 static struct PyModuleDef qfp8_module = {PyModuleDef_HEAD_INIT, "_C",

@@ -1,0 +1,99 @@
+"""``torch.export`` of a quantized Llama (and Mixtral): every scheme traces, and the program is the model.
+
+The exported graph calls qfp8's ops directly (``export`` traces through
+``QLinear`` and the autograd.Function QLinear applies for gradients), so the
+program runs with autograd on only because the CPU kernel's op and the
+experts op have an Autograd kernel of their own; these tests hold both: the
+forward equals the eager model's, and gradients reach the input embeddings
+as in eager, the quantized layers' share included.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import qfp8
+from qfp8.library import cpu
+
+transformers = pytest.importorskip("transformers", reason="the export tests run Hugging Face models")
+
+
+def _export(model, ids):
+    return torch.export.export(model, (ids,), kwargs={"use_cache": False})
+
+
+def _qfp8_ops(program) -> set[str]:
+    return {
+        str(node.target) for node in program.graph.nodes if node.op == "call_function" and "qfp8" in str(node.target)
+    }
+
+
+def test_export_every_scheme_matches_eager(scheme, tiny_llama, tokens, quantized):
+    model = quantized(tiny_llama, scheme, tokens)
+    with torch.no_grad():
+        program = _export(model, tokens)
+        got = program.module()(tokens, use_cache=False).logits
+        want = model(tokens, use_cache=False).logits
+    assert _qfp8_ops(program), "the exported graph calls no qfp8 op"
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("scheme_id", ["w-e4m3-channel", "w-e4m3-block", "a-dynamic-token", "a-static"])
+def test_exported_program_differentiates_like_eager(scheme_id, schemes, tiny_llama, tokens, quantized):
+    """Exported with autograd on and run with it on: the input embeddings' gradient is eager's."""
+    model = quantized(tiny_llama, schemes[scheme_id], tokens).float()
+    linears = [module for module in model.modules() if isinstance(module, qfp8.QLinear)]
+    _assert_gradient_like_eager(model, tokens, linears, "qfp8.scaled_linear_cpu.default")
+
+
+def test_exported_mixtral_matches_and_differentiates_like_eager(tiny_llama, tokens):
+    sizes = {key: getattr(tiny_llama.config, key) for key in ("hidden_size", "num_hidden_layers", "vocab_size")}
+    config = transformers.MixtralConfig(
+        **sizes, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+    )
+    torch.manual_seed(0)
+    model = qfp8.freeze(qfp8.quantize(transformers.MixtralForCausalLM(config).eval())[0])
+    with torch.no_grad():
+        got = _export(model, tokens).module()(tokens, use_cache=False).logits
+        assert torch.equal(got, model(tokens, use_cache=False).logits)
+    experts = [layer.mlp.experts for layer in model.model.layers]  # each runs its QExperts weights
+    _assert_gradient_like_eager(model, tokens, experts, "qfp8.experts_linear.default")
+
+
+def _assert_gradient_like_eager(model, tokens, quantized: list, op: str) -> None:
+    """The exported program's input-embedding gradient equals eager's, the ``quantized`` modules' share included."""
+    program = _export(model, tokens)  # grad mode on: the embedding weight requires grad
+    if cpu.cpu_kernel_isa() is not None:
+        assert op in _qfp8_ops(program)
+    exported = program.module()
+    (embedding,) = [p for name, p in exported.named_parameters() if name.endswith("embed_tokens.weight")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (got,) = torch.autograd.grad(exported(tokens, use_cache=False).logits.square().mean(), embedding)
+    # torch's fallback for an op without an Autograd kernel warns (and may give wrong gradients).
+    assert not [w for w in caught if "autograd kernel was not registered" in str(w.message)]
+    (want,) = torch.autograd.grad(
+        model(tokens, use_cache=False).logits.square().mean(), model.model.embed_tokens.weight
+    )
+    # The quantized modules' share of the gradient: without it the gradient would be off by 2-80 %.
+    detached = [module.register_forward_hook(lambda module, args, out: out.detach()) for module in quantized]
+    (residual_only,) = torch.autograd.grad(
+        model(tokens, use_cache=False).logits.square().mean(), model.model.embed_tokens.weight
+    )
+    for handle in detached:
+        handle.remove()
+    assert (want - residual_only).abs().max() > 0.02 * want.abs().max()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()))
+
+
+def test_exported_program_saves_and_loads(tmp_path, schemes, tiny_llama, tokens, quantized):
+    model = quantized(tiny_llama, schemes["a-dynamic-token"], tokens)
+    with torch.no_grad():
+        program = _export(model, tokens)
+        path = tmp_path / "model.pt2"
+        torch.export.save(program, path)
+        loaded = torch.export.load(path)
+        assert torch.equal(loaded.module()(tokens, use_cache=False).logits, model(tokens, use_cache=False).logits)
