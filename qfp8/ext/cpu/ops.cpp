@@ -726,7 +726,8 @@ PyObject* set_differentiable(PyObject* /*module*/, PyObject* const* args, Py_ssi
   Py_RETURN_NONE;
 }
 
-// A new reference to the Python value of an op argument (the types these ops' schemas use).
+// A new reference to the Python value of an op argument (the types these ops' schemas use), or nullptr with
+// the Python error set.
 PyObject* argument_to_python(const c10::IValue& value, const c10::Argument& argument) {
   if (value.isNone()) Py_RETURN_NONE;
   if (value.isTensor()) return THPVariable_Wrap(value.toTensor());
@@ -743,8 +744,10 @@ PyObject* argument_to_python(const c10::IValue& value, const c10::Argument& argu
   if (value.isDouble()) return PyFloat_FromDouble(value.toDouble());
   if (value.isBool()) return PyBool_FromLong(value.toBool());
   const bool tensors = value.isTensorList();
-  TORCH_CHECK(tensors || value.isIntList(), "qfp8: the gradient path cannot pass argument '", argument.name(),
-              "' (", value.tagKind(), ") to Python");
+  if (!tensors && !value.isIntList()) {
+    return PyErr_Format(PyExc_TypeError, "qfp8: the gradient path cannot pass argument '%s' (%s) to Python",
+                        argument.name().c_str(), value.tagKind().c_str());
+  }
   const size_t size = tensors ? value.toTensorList().size() : value.toIntList().size();
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(size));
   for (size_t i = 0; list != nullptr && i < size; ++i) {
