@@ -160,6 +160,23 @@ def test_small_scales_and_subnormal_codes(isa):
     assert relative_error(out, float64_attention(query * 1e5, kq, vq, ks, vs, None, 0.125)) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize("where", ["key", "value"])
+def test_nan_codes_give_nan_where_attention_reads_them(isa, dtype, where):
+    """A NaN K or V (its cache code) spoils the heads that read it, as in float attention; not the others."""
+    query, kq, vq, ks, vs = make_case(2, 4, 2, 40, 64, dtype, False, seed=7)
+    clean = torch.ops.qfp8.fp8_decode_attention(query, kq, vq, ks, vs, None, 0.125)
+    nan_code = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7F, torch.float8_e4m3fnuz: 0x80}[dtype]
+    for code in {nan_code, nan_code | 0x80}:  # both signs (e4m3fnuz has one NaN code)
+        cache = (kq if where == "key" else vq).clone()
+        cache.view(torch.uint8)[1, 0, 17, 5 if where == "key" else 3] = code  # sequence 1, KV head 0, channel 3/5
+        k, v = (cache, vq) if where == "key" else (kq, cache)
+        out = torch.ops.qfp8.fp8_decode_attention(query, k, v, ks, vs, None, 0.125)
+        want = float64_attention(query, k, v, ks, vs, None, 0.125)
+        assert torch.equal(torch.isnan(out), torch.isnan(want)), code
+        assert torch.isnan(out).any() and torch.equal(out[0], clean[0]) and torch.equal(out[1, 2:], clean[1, 2:])
+
+
 def test_same_result_on_any_thread_count():
     query, kq, vq, ks, vs = make_case(2, 8, 4, 300, 64, torch.float8_e4m3fn, True, seed=6)
     threads = torch.get_num_threads()

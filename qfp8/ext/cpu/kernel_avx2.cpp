@@ -500,9 +500,16 @@ namespace {
 struct Avx2AttentionOps {
   static float factor(int format) { return format_factor(format); }
 
+  // A cache holds NaN codes where K or V was NaN (quantization keeps NaN):
+  // e5m2's map to fp16 NaN/Inf by themselves; the e4m3 formats' NaN code
+  // (0x7F/0xFF for e4m3fn, 0x80 for e4m3fnuz), shifted as a finite value,
+  // would read as 480 or -0, so its fp16 exponent bits are set (0x7E00).
   static void row(const uint8_t* src, int64_t d, int format, float* dst) {
     int64_t i = 0;
     const bool e5m2 = format == kE5M2;
+    const uint16_t nan_bits = format == kE4M3FNUZ ? 0xFF : 0x7F, nan_code = format == kE4M3FNUZ ? 0x80 : 0x7F;
+    const __m256i nan_mask = _mm256_set1_epi16(static_cast<int16_t>(nan_bits));
+    const __m256i nan_value = _mm256_set1_epi16(static_cast<int16_t>(nan_code));
     for (; i + 16 <= d; i += 16) {
       const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
       __m256i bits;
@@ -511,14 +518,16 @@ struct Avx2AttentionOps {
       } else {
         const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
         const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
-        bits = _mm256_or_si256(sign, magnitude);
+        const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(w, nan_mask), nan_value);
+        bits = _mm256_or_si256(_mm256_or_si256(sign, magnitude), _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));
       }
       _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm256_castsi256_si128(bits)));
       _mm256_storeu_ps(dst + i + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)));
     }
     for (; i < d; ++i) {
       const uint16_t b = src[i];
-      const uint16_t bits = e5m2 ? static_cast<uint16_t>(b << 8) : static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+      uint16_t bits = e5m2 ? static_cast<uint16_t>(b << 8) : static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+      if (!e5m2 && (b & nan_bits) == nan_code) bits |= 0x7E00;
       dst[i] = _cvtsh_ss(bits);
     }
   }
@@ -552,9 +561,11 @@ struct Avx2AttentionOps {
 
   // exp(x) for x <= 0: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], a
   // degree-6 polynomial (relative error ~1e-7); below -87 it is taken as 0.
+  // NaN stays NaN (a NaN key's score): max_ps returns its second operand
+  // when either is NaN.
   static __m256 exp_nonpositive(__m256 x) {
     const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
