@@ -454,6 +454,12 @@ def quantize(
                 f"module {entry.name!r}: weight {list(weight.shape)} holds NaN/Inf values, which FP8 cannot "
                 f"represent; fix the weight or pass exclude=[{entry.name!r}]"
             )
+        if weight.dtype == torch.float64 and not torch.isfinite(weight.detach().abs().amax().float()):
+            raise ValueError(
+                f"module {entry.name!r}: float64 weight {list(weight.shape)} holds values beyond float32's range "
+                f"(|w| up to {float(weight.detach().abs().amax()):.3g}), which its float32 scales cannot cover; "
+                f"fix the weight or pass exclude=[{entry.name!r}]"
+            )
     for note in notes:
         warnings.warn(note, stacklevel=2)
 
@@ -647,7 +653,8 @@ def check_calibrated(model: nn.Module, caller: str) -> None:
         shown = _first_names(pending, 5)
         raise RuntimeError(
             f"{caller}: {len(pending)} layer(s) with static activation scales or an accuracy mode were never "
-            f"calibrated ({shown}); run `with qfp8.calibrate(model): model(batch)` over calibration data first"
+            f"calibrated ({shown}); run `with qfp8.calibrate(model): model(batch)` over calibration data first "
+            "(a layer that saw only zeros or non-finite inputs counts as not calibrated)"
         )
 
 

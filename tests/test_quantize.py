@@ -75,6 +75,18 @@ def test_inf_weight_is_refused():
         qfp8.quantize(model)
 
 
+def test_float64_weight_beyond_float32_range_is_refused():
+    """Finite in float64, but its float32 scale would be Inf (the layer would output NaN)."""
+    model = Net().double()
+    with torch.no_grad():
+        model.shared.weight[2, 5] = 1e39
+    with pytest.raises(ValueError, match=r"'shared'.*beyond float32's range \(\|w\| up to 1e\+39\)"):
+        qfp8.quantize(model)
+    assert not any(isinstance(m, QLinear) for m in model.modules())
+    with pytest.raises(ValueError, match="'direct'.*beyond float32's range"):
+        QLinear.from_linear(model.shared, qfp8.nn.QuantizationScheme(), "direct")
+
+
 def test_zero_weight_gives_zero_output_not_nan():
     model = nn.Sequential(nn.Linear(16, 8, bias=False))
     nn.init.zeros_(model[0].weight)

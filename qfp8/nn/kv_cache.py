@@ -493,9 +493,11 @@ class Float8KVAttentionMixin:
         self._kv_rows = ([], [])
 
     def _record_kv_amax(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if not (torch.isfinite(key_states).any() and torch.isfinite(value_states).any()):
-            return  # a batch with no finite K or V counts as none (its amax would be 0: a scale that saturates)
+        if key_states.numel() == 0 or value_states.numel() == 0:
+            return
         k_amax, v_amax = _finite_abs(key_states).amax(), _finite_abs(value_states).amax()
+        if not bool((k_amax > 0) & (v_amax > 0)):
+            return  # no finite nonzero K or V (all zeros, NaN/Inf) counts as none: amax 0 gives a scale that saturates
         if self._kv_amax is not None:
             k_amax, v_amax = torch.maximum(k_amax, self._kv_amax[0]), torch.maximum(v_amax, self._kv_amax[1])
         self._kv_amax = (k_amax, v_amax)

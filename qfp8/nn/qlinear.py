@@ -256,6 +256,12 @@ class QLinear(nn.Module):
                 f"module {name!r}: weight {tuple(weight.shape)} holds {bad} NaN/Inf value(s); "
                 "FP8 cannot represent them. Fix or exclude this module (exclude=[...])."
             )
+        if weight.numel() and not torch.isfinite(weight.abs().amax().float()):
+            raise ValueError(
+                f"module {name!r}: weight {tuple(weight.shape)} holds values beyond float32's range (|w| up to "
+                f"{float(weight.abs().amax()):.3g}), which its float32 scales cannot cover. Fix or exclude this "
+                "module (exclude=[...])."
+            )
         out_features, in_features = weight.shape
         module = cls(
             in_features,
@@ -551,7 +557,10 @@ class QLinear(nn.Module):
             # Already FP8 (an nn.Linear took it through F.linear's handler): the subclass route multiplies it.
             return nn.functional.linear(x, self.weight, self.bias)
         if self.calibrating:
-            return self._calibration_forward(x)
+            try:
+                return self._calibration_forward(x)
+            except RuntimeError as error:  # an input the layer cannot take: the same error as outside calibration
+                self._raise_input_error(x, error)
         if not _is_compiling() and self.__dict__["_fast"] is None:
             # Something disarmed the fast path (see _arm); arm it again if the
             # regular path is no longer needed.
@@ -583,12 +592,15 @@ class QLinear(nn.Module):
             return self._op(x, self.qweight, self.weight_scale, self.bias, self.input_scale, *self._extra_args)
         x2d = x.reshape(-1, self.in_features)
         amax = formats.activation_amax(x2d, "tensor")
-        if self._calibration_amax is not None:
-            amax = torch.maximum(amax, self._calibration_amax)
-        # A batch with no finite value (empty, or all NaN/Inf) measures nothing:
-        # it must not pass for amax = 0, which would calibrate the layer to eps.
-        if bool(torch.isfinite(x2d).any()):
+        # A batch with no finite nonzero value (empty, all zeros, all NaN/Inf)
+        # measures nothing: amax = 0 would calibrate the layer to eps, where
+        # every real input saturates.
+        if bool(amax > 0):
+            if self._calibration_amax is not None:
+                amax = torch.maximum(amax, self._calibration_amax)
             self._calibration_amax = amax
+        elif self._calibration_amax is not None:
+            amax = self._calibration_amax
         scale = formats.scale_from_amax(amax, self.scheme.activation_dtype)
         return self._kernel_op(x, self.qweight, self.weight_scale, self.bias, scale, *self._extra_args)
 

@@ -113,6 +113,24 @@ def test_uncalibrated_static_layer_says_what_to_do():
         model(torch.randn(2, 200))
 
 
+@pytest.mark.parametrize("activations", [None, "static"], ids=["w8a16", "static"])
+@pytest.mark.parametrize(
+    ("x", "error", "match"),
+    [
+        (torch.randn(2, 199), ValueError, r"the input has shape \(2, 199\), its last dimension must be 200"),
+        (torch.randint(0, 5, (2, 200)), TypeError, "the input must be a floating-point tensor"),
+    ],
+    ids=["features", "integer"],
+)
+def test_bad_input_during_calibration_gets_the_layers_error(activations, x, error, match):
+    model = nn.Sequential(make_linear())
+    qfp8.quantize(model, activations=activations, exclude=())
+    with pytest.raises(error, match=r"QLinear\(in_features=200.*" + match):
+        model(x)
+    with pytest.raises(error, match=r"QLinear\(in_features=200.*" + match), qfp8.calibrate(model):
+        model(x)
+
+
 def test_weight_property_is_fp8_tensor():
     model, _ = qfp8.quantize(nn.Sequential(make_linear()), exclude=())
     w = model[0].weight
@@ -177,17 +195,20 @@ def test_state_made_under_inference_mode_is_usable_with_autograd():
         assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("batch", ["empty", "all-nan"], ids=str)
-def test_calibration_batch_without_a_finite_value_sets_no_scale(batch):
-    """Such a batch measures nothing: the layer stays uncalibrated (freeze names it) instead of taking eps / fmax."""
+@pytest.mark.parametrize("batch", ["empty", "all-nan", "all-zero"], ids=str)
+def test_calibration_batch_without_a_finite_nonzero_value_sets_no_scale(batch):
+    """Such a batch measures nothing: the layer stays uncalibrated (freeze names it) instead of taking eps / fmax,
+    where every real input would saturate (a layer behind a dead ReLU sees only zeros)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32))
     qfp8.quantize(model, activations="static")
-    x = torch.randn(0, 64) if batch == "empty" else torch.full((2, 64), float("nan"))
+    x = {"empty": torch.randn(0, 64), "all-nan": torch.full((2, 64), float("nan")), "all-zero": torch.zeros(2, 64)}[
+        batch
+    ]
     with qfp8.calibrate(model):
         model(x)
     assert model[0].input_scale is None
-    with pytest.raises(RuntimeError, match=r"never calibrated \(0\)"):
+    with pytest.raises(RuntimeError, match=r"never calibrated \(0\).*saw only zeros or non-finite inputs"):
         qfp8.freeze(model)
     calibration = torch.randn(8, 64)
     with qfp8.calibrate(model):  # a later batch with finite values calibrates as usual; the bad one adds nothing
