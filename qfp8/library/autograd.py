@@ -50,6 +50,20 @@ def _(grad, weight, weight_scale, block_size):
     return grad.new_empty((grad.shape[0], weight.shape[1]))
 
 
+def _grad_input_linear_setup(ctx, inputs, output):
+    _, ctx.weight, ctx.weight_scale, ctx.block_size = inputs
+
+
+def _grad_input_linear_backward(ctx, grad_grad_x):
+    """Second order (a gradient penalty, ``torch.func``): ``grad @ W`` is linear in ``grad``, its gradient is
+    ``grad_grad_x @ W^T``; none for the frozen FP8 weight."""
+    weight = formats.dequantize_weight(ctx.weight, ctx.weight_scale, ctx.block_size or None)
+    return grad_grad_x @ weight.t(), None, None, None
+
+
+grad_input_linear.register_autograd(_grad_input_linear_backward, setup_context=_grad_input_linear_setup)
+
+
 def _layout(args) -> tuple:
     """(N, K, block_size) of a linear op's arguments, told apart by their count (see ``qfp8.library.ops``).
 
@@ -83,7 +97,12 @@ def _grads(ctx, grad, count: int, x_index: int) -> tuple:
     grad2d = grad.reshape(-1, ctx.n).to(torch.float32)
     if ctx.needs_input_grad[x_index]:
         weight = ctx.weight if ctx.unpack is None else ctx.unpack(ctx.weight, ctx.n, ctx.k)
-        grad_x = torch.ops.qfp8.grad_input_linear(grad2d, weight, ctx.weight_scale, ctx.block_size)
+        if torch._C._are_functorch_transforms_active():
+            # torch.func (grad, jacrev, ...): a custom op's autograd does not run under its transforms; the same
+            # product in aten ops does, to any order.
+            grad_x = grad2d @ formats.dequantize_weight(weight, ctx.weight_scale, ctx.block_size or None)
+        else:
+            grad_x = torch.ops.qfp8.grad_input_linear(grad2d, weight, ctx.weight_scale, ctx.block_size)
         grads[x_index] = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[x_index + 3]:
         grads[x_index + 3] = grad2d.sum(0).to(ctx.bias_dtype)

@@ -70,6 +70,9 @@ def experts_linear_impl(
     out_features: int,
     in_features: int,
 ) -> torch.Tensor:
+    # AOTInductor's proxy executor passes an empty list argument as None (see empty_lists_from_none in
+    # qfp8/ext/cpu/ops.cpp); under inference_mode this kernel is the first to see it.
+    input_scales, block_size = input_scales or [], block_size or []
     experts = len(weights)
     if x.dim() != 2 or x.shape[1] != in_features or expert_ids.shape != (x.shape[0],):
         raise ValueError(
@@ -145,6 +148,30 @@ def experts_linear_grad_input_impl(
 
 
 torch.library.impl("qfp8::experts_linear_grad_input", "CompositeExplicitAutograd")(experts_linear_grad_input_impl)
+
+
+def _grad_input_setup(ctx, inputs, output):
+    _, ctx.expert_ids, ctx.weights, ctx.weight_scales, ctx.kernel, ctx.block_size, ctx.n, ctx.k = inputs
+
+
+def _grad_input_backward(ctx, grad_grad_x):
+    """Second order (a gradient penalty): each expert's rows of ``grad_grad_x`` times its dequantized weight,
+    transposed; none for the ids, the frozen weights and the sizes."""
+    from qfp8 import formats
+
+    grad_grad = torch.zeros((grad_grad_x.shape[0], ctx.n), dtype=torch.float32, device=grad_grad_x.device)
+    unpack = kernel_by_name(ctx.kernel).unpack
+    for expert, rows in expert_rows(ctx.expert_ids, len(ctx.weights)):
+        weight = unpack(ctx.weights[expert], ctx.n, ctx.k)
+        dequantized = formats.dequantize_weight(weight, ctx.weight_scales[expert], list(ctx.block_size) or None)
+        grad_grad[rows] = grad_grad_x[rows].float() @ dequantized.t()
+    nones = [None] * len(ctx.weights)
+    return grad_grad.to(grad_grad_x.dtype), None, nones, list(nones), None, [None] * len(ctx.block_size), None, None
+
+
+torch.library.register_autograd(
+    "qfp8::experts_linear_grad_input", _grad_input_backward, setup_context=_grad_input_setup
+)
 
 
 class ExpertsLinear(torch.autograd.Function):

@@ -50,17 +50,37 @@ def test_exported_program_differentiates_like_eager(scheme_id, schemes, tiny_lla
 
 
 def test_exported_mixtral_matches_and_differentiates_like_eager(tiny_llama, tokens):
-    sizes = {key: getattr(tiny_llama.config, key) for key in ("hidden_size", "num_hidden_layers", "vocab_size")}
-    config = transformers.MixtralConfig(
-        **sizes, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
-    )
-    torch.manual_seed(0)
-    model = qfp8.freeze(qfp8.quantize(transformers.MixtralForCausalLM(config).eval())[0])
+    model = _tiny_mixtral(tiny_llama)
     with torch.no_grad():
         got = _export(model, tokens).module()(tokens, use_cache=False).logits
         assert torch.equal(got, model(tokens, use_cache=False).logits)
     experts = [layer.mlp.experts for layer in model.model.layers]  # each runs its QExperts weights
     _assert_gradient_like_eager(model, tokens, experts, "qfp8.experts_linear.default")
+
+
+def test_aot_inductor_package_of_a_quantized_mixtral_runs(tmp_path, tiny_llama, tokens):
+    """AOTInductor compiles the exported program; its runtime hands an empty list argument (block_size of a layer
+    without block scales, the experts' input_scales) to the ops as None, which they take as the empty list."""
+    model = _tiny_mixtral(tiny_llama)
+    with torch.no_grad():
+        want = model(tokens, use_cache=False).logits
+        program = _export(model, tokens)
+        assert "[]" in program.graph_module.code  # the empty lists this test is about
+        package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "mixtral.pt2"))
+    runner = torch._inductor.aoti_load_package(package)
+    for mode in (torch.no_grad, torch.inference_mode):  # inference tensors skip the Autograd kernels
+        with mode():
+            got = runner(tokens, use_cache=False)[0]  # the model output's first field: the logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def _tiny_mixtral(tiny_llama):
+    sizes = {key: getattr(tiny_llama.config, key) for key in ("hidden_size", "num_hidden_layers", "vocab_size")}
+    config = transformers.MixtralConfig(
+        **sizes, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+    )
+    torch.manual_seed(0)
+    return qfp8.freeze(qfp8.quantize(transformers.MixtralForCausalLM(config).eval())[0])
 
 
 def _assert_gradient_like_eager(model, tokens, quantized: list, op: str) -> None:

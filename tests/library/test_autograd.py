@@ -124,3 +124,33 @@ def test_quantized_model_backward_reaches_the_input_eager_and_compiled():
         got, want = run(fn)
         error = (got.double() - want).norm() / want.norm()
         assert error < 1e-4, f"x.grad relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_second_order_gradients_and_torch_func_match_the_dequantized_float64_model(granularity):
+    """A gradient penalty (the input gradient's own gradient) and ``torch.func.grad``: the input-gradient op has a
+    backward, and under torch.func the formula runs in aten ops."""
+    torch.manual_seed(0)
+    block = {"block_size": (8, 16)} if granularity == "block" else {}
+    model = nn.Sequential(nn.Linear(K, N), nn.Tanh(), nn.Linear(N, 7))
+    qfp8.quantize(model, weight_scale=granularity, exclude=(), **block)
+    float64 = nn.Sequential(nn.Linear(K, N), nn.Tanh(), nn.Linear(N, 7)).double()
+    with torch.no_grad():
+        for i in (0, 2):
+            layer = model[i]
+            weight = formats.dequantize_weight(layer.canonical_weight(), layer.weight_scale, layer.scheme.block_size)
+            float64[i].weight.copy_(weight)
+            float64[i].bias.copy_(layer.bias)
+    x = torch.randn(5, K)
+
+    def penalty_gradient(forward, x):
+        x = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(forward(x).sum(), x, create_graph=True)
+        return torch.autograd.grad(grad.square().sum(), x)[0]
+
+    want = penalty_gradient(float64, x.double())
+    assert want.abs().sum() > 0
+    assert (penalty_gradient(model, x).double() - want).norm() / want.norm() < 1e-5
+    want_grad = torch.func.grad(lambda x: float64(x).sum())(x.double())
+    got_grad = torch.func.grad(lambda x: model(x).sum())(x)
+    assert (got_grad.double() - want_grad).norm() / want_grad.norm() < 1e-5

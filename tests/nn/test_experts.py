@@ -868,3 +868,41 @@ def test_experts_linear_grad_input_op():
         torch.ops.qfp8.experts_linear_grad_input.default,
         (grad, ids, *args, qexperts.out_features, qexperts.in_features),
     )
+
+
+def test_second_order_gradients_through_the_experts_op_match_float64():
+    """A gradient penalty (the input gradient's own gradient) through ``experts_linear`` called directly, as an
+    exported graph calls it: the input-gradient op has a backward too."""
+    qexperts = quantized_down_proj()
+    ids = torch.tensor([0, 1, 1, 3, 3, 3])
+    x = torch.randn(len(ids), qexperts.in_features, generator=torch.Generator().manual_seed(5))
+    weights = [formats.dequantize_weight(e.canonical_weight(), e.weight_scale, None).double() for e in qexperts.experts]
+    first = qexperts.experts[0]
+    args = (
+        [e.qweight for e in qexperts.experts],
+        [e.weight_scale for e in qexperts.experts],
+        [],
+        qexperts.packing,
+        first.scheme.weight_scale,
+        [],
+        "none",
+        torch.float8_e4m3fn,
+        qexperts.out_features,
+        qexperts.in_features,
+    )
+
+    def penalty_gradient(forward, x):
+        x = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(forward(x).tanh().sum(), x, create_graph=True)
+        return torch.autograd.grad(grad.square().sum(), x)[0]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = penalty_gradient(lambda x: torch.ops.qfp8.experts_linear(x, ids, *args), x)
+    # torch's fallback for an op without an autograd formula warns (the gradient may be wrong or missing).
+    assert not [w for w in caught if "autograd kernel was not registered" in str(w.message)]
+    want = penalty_gradient(
+        lambda x: torch.stack([x[r] @ weights[e].t() for r, e in enumerate(ids.tolist())]), x.double()
+    )
+    assert want.abs().sum() > 0
+    assert (got.double() - want).norm() / want.norm() < 1e-5

@@ -513,6 +513,37 @@ at::Tensor scaled_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
   return out;
 }
 
+// AOTInductor's proxy executor (torch 2.13) hands an op an empty list
+// argument (block_size = [] of a layer without block scales, the experts'
+// input_scales = [] without static scales) as None, which unboxing the
+// argument asserts on. The graph holds an empty list, so that is what the
+// kernels get.
+void empty_lists_from_none(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
+  const size_t count = schema.arguments().size();
+  for (size_t i = 0; i < count; ++i) {
+    c10::IValue& value = (*stack)[stack->size() - count + i];
+    const c10::TypePtr& type = schema.arguments()[i].type();
+    if (!value.isNone() || type->kind() != c10::TypeKind::ListType) continue;
+    const c10::TypeKind element = type->containedType(0)->kind();
+    if (element == c10::TypeKind::IntType) value = c10::IValue(c10::List<int64_t>());
+    if (element == c10::TypeKind::TensorType) value = c10::IValue(c10::List<at::Tensor>());
+  }
+}
+
+// The CPU kernel of qfp8::scaled_linear_cpu, boxed (every caller but the
+// eager entry, which calls scaled_linear_cpu itself, boxes anyway).
+void scaled_linear_cpu_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  empty_lists_from_none(op.schema(), stack);
+  auto args = torch::jit::last(*stack, 10);
+  const std::vector<int64_t> block_size = args[7].toIntVector();
+  at::Tensor out = scaled_linear_cpu(args[0].toTensor(), args[1].toTensor(), args[2].toTensor(),
+                                     args[3].toOptional<at::Tensor>(), args[4].toOptional<at::Tensor>(),
+                                     args[5].toInt(), args[6].toInt(), block_size, args[8].toStringView(),
+                                     args[9].toScalarType());
+  torch::jit::drop(*stack, 10);
+  stack->emplace_back(std::move(out));
+}
+
 void scaled_linear_cpu_into(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& input_scale, int64_t out_features, int64_t in_features,
@@ -589,7 +620,7 @@ TORCH_LIBRARY_FRAGMENT(qfp8, m) {
 }
 
 TORCH_LIBRARY_IMPL(qfp8, CPU, m) {
-  m.impl("scaled_linear_cpu", &qfp8::scaled_linear_cpu);
+  m.impl("scaled_linear_cpu", torch::CppFunction::makeFromBoxedFunction<&qfp8::scaled_linear_cpu_boxed>());
   m.impl("_scaled_linear_cpu_into", &qfp8::scaled_linear_cpu_into);
 }
 
@@ -766,6 +797,7 @@ void differentiable_autograd(const c10::OperatorHandle& op, torch::jit::Stack* s
   const c10::FunctionSchema& schema = op.schema();
   const size_t count = schema.arguments().size();
   const size_t first = stack->size() - count;
+  empty_lists_from_none(schema, stack);
   bool needs_grad = false;
   if (c10::GradMode::is_enabled()) {
     for (const char* name : {"x", "bias"}) {
