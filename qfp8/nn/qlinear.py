@@ -390,6 +390,13 @@ class QLinear(nn.Module):
             register()
         self._use_kernel(kernel_by_name(self.packing))
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this before compiling a module's forward, which TorchScript cannot parse here.
+        raise TypeError(
+            f"{self._placed}QLinear({self.in_features} -> {self.out_features}): torch.jit.script cannot compile "
+            "qfp8's layers; torch.jit.trace, torch.export and torch.compile can"
+        )
+
     def _arm(self) -> None:
         """Sets the fast path's op when nothing needs the regular path (None otherwise)."""
         state = self.__dict__
@@ -561,9 +568,11 @@ class QLinear(nn.Module):
                 return self._calibration_forward(x)
             except RuntimeError as error:  # an input the layer cannot take: the same error as outside calibration
                 self._raise_input_error(x, error)
-        if not _is_compiling() and self.__dict__["_fast"] is None:
+        if not _is_compiling() and self.__dict__["_fast"] is None and not torch.jit.is_tracing():
             # Something disarmed the fast path (see _arm); arm it again if the
-            # regular path is no longer needed.
+            # regular path is no longer needed. Not while torch.jit traces:
+            # its check traces twice and compares (the fast path records no
+            # module scope, so the second graph would differ).
             self._arm()
         # Buffers read from their dicts directly: nn.Module.__getattr__ costs
         # about a microsecond per lookup, a sizeable part of a small M=1 layer.

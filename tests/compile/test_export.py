@@ -117,3 +117,19 @@ def test_exported_program_saves_and_loads(tmp_path, schemes, tiny_llama, tokens,
         torch.export.save(program, path)
         loaded = torch.export.load(path)
         assert torch.equal(loaded.module()(tokens, use_cache=False).logits, model(tokens, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("run_first", [False, True], ids=["fresh", "run-before"])
+def test_jit_trace_passes_its_own_check_and_jit_script_is_refused_clearly(run_first):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32))
+    qfp8.quantize(model, activations="dynamic", exclude=())
+    x = torch.randn(4, 64)
+    if run_first:  # the layers' fast path is armed before tracing
+        model(x)
+    traced = torch.jit.trace(model, (x,))  # check_trace: traces twice and compares the graphs
+    other = torch.randn(7, 64)
+    with torch.no_grad():
+        assert torch.equal(traced(other), model(other))
+    with pytest.raises(TypeError, match=r"QLinear\(64 -> 128\): torch.jit.script cannot compile qfp8's layers"):
+        torch.jit.script(model)
