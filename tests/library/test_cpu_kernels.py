@@ -112,6 +112,28 @@ def test_w8a8_matches_reference_op(isa, w_dtype, activation, x_dtype):
         assert rel_error(y, reference.double()) <= 2 * TOLERANCE[x_dtype], f"{isa} M={m} N={n} K={k}"
 
 
+@pytest.mark.parametrize(
+    "block_size",
+    [(), (128, 128), (32, 64), (16, 96), (64, 256), (16, 7)],
+    ids=lambda b: "x".join(map(str, b)) or "channel",
+)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["x-bf16", "x-f32"])
+def test_group_activations_with_any_weight_scales_and_many_rows(isa, block_size, x_dtype):
+    """1 x 128 group scales (the avx512bf16 kernel applies them to each group's partial sums) with channel or
+    block weight scales whose k-blocks are smaller, larger or not a multiple of 128 (odd: that kernel declines),
+    K not a multiple of 128, in the few-row (M <= 4) and the panel (more rows, > 12) loops."""
+    granularity = "block" if block_size else "channel"
+    for m, n, k in [(1, 40, 300), (4, 33, 257), (30, 70, 640), (13, 64, 1000)]:
+        q, scale = random_weight(n, k, torch.float8_e4m3fn, granularity, block_size or (16, 7))
+        x = (torch.randn(m, k) * torch.rand(m, 1) * torch.logspace(-2, 2, k)[torch.randperm(k)]).to(x_dtype)
+        bias = torch.randn(n)
+        y = run_kernel(x, q, scale, bias, block_size, "group")
+        xq, xs = formats.quantize_activation(x.reshape(m, k), torch.float8_e4m3fn, "group")
+        x_values = formats.fp8_to_float(xq).double() * formats.expand_group_scale(xs.double(), k)
+        ref64 = float64_reference(x_values, q, scale, bias, block_size)
+        assert rel_error(y, ref64) <= TOLERANCE[x_dtype], f"{isa} M={m} N={n} K={k}"
+
+
 @pytest.mark.parametrize("activation", ["token", "static", "token-mse"])
 @pytest.mark.parametrize("granularity", ["block-odd", "block-even"])
 def test_w8a8_block_scales_and_odd_k_match_reference_op(isa, granularity, activation):

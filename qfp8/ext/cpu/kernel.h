@@ -28,6 +28,7 @@ namespace qfp8 {
 
 constexpr int64_t kTileN = 32;       // output channels per tile
 constexpr int64_t kGroupBytes = 64;  // bytes per (tile, k pair) group
+constexpr int64_t kActivationGroup = 128;  // 1 x 128 activation groups (formats.ACTIVATION_GROUP_SIZE)
 
 enum WeightFormat : int { kE4M3FN = 0, kE5M2 = 1, kE4M3FNUZ = 2 };
 enum ScaleKind : int { kScaleTensor = 0, kScaleChannel = 1, kScaleBlock = 2 };
@@ -44,6 +45,11 @@ struct LinearProblem {
   int scale_kind;      // ScaleKind
   int64_t bn, bk, scale_cols;
   const float* row_scale;  // [M] activation scale applied to the output rows, or null
+  // Dynamic 1 x kActivationGroup activation scales, [M][group_cols], which the
+  // tiles apply to each group's partial sums (x then holds the FP8 values
+  // themselves); null otherwise. Only an ISA with a prepare step is given them.
+  const float* group_scale;
+  int64_t group_cols;
   const float* bias;       // [N] float32 or null
   void* out;               // [M][ldo]
   int out_dtype;           // OutDtype

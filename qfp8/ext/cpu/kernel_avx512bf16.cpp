@@ -138,6 +138,24 @@ inline void lane_block_scales(const LinearProblem& p, int64_t tile, int64_t k, _
   s1 = _mm512_load_ps(s[1]);
 }
 
+constexpr int64_t kActivationGroupPairs = kActivationGroup / 2;
+
+// The end (in k pairs) of the run of pairs from `start` that one weight scale
+// block (Block) and one activation group (with group scales) cover: partial
+// sums are scaled at each such end.
+template <bool Block>
+inline int64_t segment_end(const LinearProblem& p, int64_t start, int64_t pairs) {
+  int64_t end = pairs;
+  if (Block) end = std::min(end, (start / (p.bk / 2) + 1) * (p.bk / 2));
+  if (p.group_scale) end = std::min(end, (start / kActivationGroupPairs + 1) * kActivationGroupPairs);
+  return end;
+}
+
+// The group scales of output rows `rows[0..count)` for the activation group of pair `start`.
+inline void row_group_scales(const LinearProblem& p, const int64_t* rows, int count, int64_t start, float* out) {
+  for (int r = 0; r < count; ++r) out[r] = p.group_scale[rows[r] * p.group_cols + start / kActivationGroupPairs];
+}
+
 // Writes one row of a tile from its lane-order sums: as store_tile_row
 // (kernel.h), in the same order of operations (so the same bits), 16
 // channels at a time; mult is in channel order.
@@ -289,13 +307,12 @@ bool take_bf16_activations(const LinearProblem& p, Activations& a) {
 // Adds (times the block scales) into the rows' lane-order accumulators.
 template <int Rows, bool Block>
 void tile_few_rows(const LinearProblem& p, const Tables& tb, int64_t t, const uint32_t* x, int64_t ld,
-                   float* const* acc_rows) {
+                   float* const* acc_rows, const int64_t* output_rows) {
   const int64_t pairs = p.Kp / 2;
   const uint8_t* g = p.w + t * pairs * kGroupBytes;
-  const int64_t segment = Block ? p.bk / 2 : pairs;
   const int64_t ahead = Rows == 1 && p.threads > 1 ? kSharedPrefetchPairs : kPrefetchPairs;
-  for (int64_t s0 = 0; s0 < pairs; s0 += segment) {
-    const int64_t s1 = std::min(pairs, s0 + segment);
+  for (int64_t s0 = 0, s1; s0 < pairs; s0 = s1) {
+    s1 = segment_end<Block>(p, s0, pairs);
     __m512 acc[Rows][4];
     for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
     int64_t i = s0;
@@ -325,52 +342,82 @@ void tile_few_rows(const LinearProblem& p, const Tables& tb, int64_t t, const ui
     }
     __m512 scale[2];
     if (Block) lane_block_scales(p, t, 2 * s0, scale[0], scale[1]);
+    float row_mult[Rows];
+    if (p.group_scale) row_group_scales(p, output_rows, Rows, s0, row_mult);
     for (int r = 0; r < Rows; ++r) {  // in row order (two virtual rows may share an output row)
       for (int j = 0; j < 2; ++j) {
         const __m512 sum = _mm512_add_ps(acc[r][j], acc[r][2 + j]);
         const __m512 before = _mm512_loadu_ps(acc_rows[r] + 16 * j);
-        _mm512_storeu_ps(acc_rows[r] + 16 * j, Block ? _mm512_fmadd_ps(sum, scale[j], before) : _mm512_add_ps(before, sum));
+        if (p.group_scale) {
+          const __m512 mult = _mm512_set1_ps(row_mult[r]);
+          _mm512_storeu_ps(acc_rows[r] + 16 * j, _mm512_fmadd_ps(sum, Block ? _mm512_mul_ps(scale[j], mult) : mult, before));
+        } else {
+          _mm512_storeu_ps(acc_rows[r] + 16 * j, Block ? _mm512_fmadd_ps(sum, scale[j], before) : _mm512_add_ps(before, sum));
+        }
       }
     }
   }
 }
 
-using FewRowsFn = void (*)(const LinearProblem&, const Tables&, int64_t, const uint32_t*, int64_t, float* const*);
+using FewRowsFn = void (*)(const LinearProblem&, const Tables&, int64_t, const uint32_t*, int64_t, float* const*,
+                           const int64_t*);
 constexpr int kFewRows = 4;
 constexpr FewRowsFn kFewRowsFns[2][kFewRows + 1] = {
     {nullptr, tile_few_rows<1, false>, tile_few_rows<2, false>, tile_few_rows<3, false>, tile_few_rows<4, false>},
     {nullptr, tile_few_rows<1, true>, tile_few_rows<2, true>, tile_few_rows<3, true>, tile_few_rows<4, true>}};
 
-// Rows x a converted panel of `count` pairs; adds (times the block scales,
-// when given) into the rows' lane-order accumulators.
+// The runs of a panel chunk over which the scales are constant (one weight
+// block and one activation group), with their scales: a chunk keeps its
+// 512 pairs whatever the block and group sizes (64-pair chunks measured
+// 12-16 % slower at M = 128-512, block scales or not), and its partial sums
+// are scaled and added at the end of each run.
+struct ChunkRuns {
+  int count = 0;
+  std::vector<int64_t> end;  // [count] the run's end, in pairs from the chunk's start
+  std::vector<__m512> lane;  // [tiles][count][2] the tile's block scales in lane order (Block)
+  std::vector<float> row;    // [count][kMaxRows] the row block's group scales (group scales)
+};
+
+// Rows x a converted panel of `count` pairs; adds each run's sums (times the
+// tile's block scales `lane` [run][2], and each row's group scale
+// `row` [run][kMaxRows], when given) into the rows' lane-order accumulators.
 template <int Rows>
-void panel_rows(const __m512i* panel, int64_t count, const uint32_t* x, int64_t ld, float* const* acc_rows,
-                const __m512* scale, const uint8_t* prefetch) {
-  __m512 acc[Rows][2];
-  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < count; ++i) {
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGroupBytes), _MM_HINT_T0);
-    const __m512i w0 = _mm512_load_si512(panel + 2 * i);
-    const __m512i w1 = _mm512_load_si512(panel + 2 * i + 1);
-    for (int r = 0; r < Rows; ++r) {
-      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * ld + i]));
-      acc[r][0] = dot(acc[r][0], w0, xv);
-      acc[r][1] = dot(acc[r][1], w1, xv);
+void panel_rows(const __m512i* panel, const uint32_t* x, int64_t ld, float* const* acc_rows, int runs,
+                const int64_t* run_end, const __m512* lane, const float* row, const uint8_t* prefetch) {
+  int64_t i = 0;
+  for (int run = 0; run < runs; ++run) {
+    __m512 acc[Rows][2];
+    for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (; i < run_end[run]; ++i) {
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGroupBytes), _MM_HINT_T0);
+      const __m512i w0 = _mm512_load_si512(panel + 2 * i);
+      const __m512i w1 = _mm512_load_si512(panel + 2 * i + 1);
+      for (int r = 0; r < Rows; ++r) {
+        const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * ld + i]));
+        acc[r][0] = dot(acc[r][0], w0, xv);
+        acc[r][1] = dot(acc[r][1], w1, xv);
+      }
     }
-  }
-  // In row order: two virtual rows of one output row add one after the other.
-  for (int r = 0; r < Rows; ++r) {
-    float* out = acc_rows[r];
-    for (int j = 0; j < 2; ++j) {
-      const __m512 before = _mm512_loadu_ps(out + 16 * j);
-      _mm512_storeu_ps(out + 16 * j, scale ? _mm512_fmadd_ps(acc[r][j], scale[j], before)
-                                           : _mm512_add_ps(before, acc[r][j]));
+    // In row order: two virtual rows of one output row add one after the other.
+    for (int r = 0; r < Rows; ++r) {
+      float* out = acc_rows[r];
+      for (int j = 0; j < 2; ++j) {
+        const __m512 before = _mm512_loadu_ps(out + 16 * j);
+        if (row) {
+          const __m512 mult = _mm512_set1_ps(row[run * kMaxRows + r]);
+          _mm512_storeu_ps(out + 16 * j,
+                           _mm512_fmadd_ps(acc[r][j], lane ? _mm512_mul_ps(lane[2 * run + j], mult) : mult, before));
+        } else {
+          _mm512_storeu_ps(out + 16 * j, lane ? _mm512_fmadd_ps(acc[r][j], lane[2 * run + j], before)
+                                              : _mm512_add_ps(before, acc[r][j]));
+        }
+      }
     }
   }
 }
 
-using PanelRowsFn = void (*)(const __m512i*, int64_t, const uint32_t*, int64_t, float* const*, const __m512*,
-                             const uint8_t*);
+using PanelRowsFn = void (*)(const __m512i*, const uint32_t*, int64_t, float* const*, int, const int64_t*,
+                             const __m512*, const float*, const uint8_t*);
 constexpr PanelRowsFn kPanelRows[kMaxRows + 1] = {
     nullptr,        panel_rows<1>, panel_rows<2>, panel_rows<3>,  panel_rows<4>,  panel_rows<5>, panel_rows<6>,
     panel_rows<7>,  panel_rows<8>, panel_rows<9>, panel_rows<10>, panel_rows<11>, panel_rows<12>};
@@ -382,7 +429,7 @@ constexpr PanelRowsFn kPanelRows[kMaxRows + 1] = {
 // group before the next block's are read.
 template <bool Block>
 void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t t0, int64_t tiles,
-                __m512i* panels, float* acc) {
+                __m512i* panels, float* acc, ChunkRuns& runs) {
   const int64_t pairs = a.pairs;
   const int64_t tile_bytes = pairs * kGroupBytes;
   std::fill(acc, acc + tiles * p.M * kTileN, 0.0f);
@@ -390,25 +437,39 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
     for (int64_t j = 0; j < tiles; ++j) {
       float* acc_rows[kFewRows];
       for (int r = 0; r < a.rows; ++r) acc_rows[r] = acc + (j * p.M + a.output_row[r]) * kTileN;
-      kFewRowsFns[Block][a.rows](p, tb, t0 + j, a.row(0), pairs, acc_rows);
+      kFewRowsFns[Block][a.rows](p, tb, t0 + j, a.row(0), pairs, acc_rows, a.output_row.data());
     }
     return;
   }
   const uint8_t* w = p.w + t0 * tile_bytes;
-  const int64_t block_pairs = Block ? p.bk / 2 : pairs;
-  __m512 scale[kGroupTiles][2];
+  const bool grouped = p.group_scale != nullptr;
   for (int64_t c0 = 0; c0 < pairs;) {
-    const int64_t block_end = std::min(pairs, (c0 / block_pairs + 1) * block_pairs);
-    const int64_t count = std::min(kChunkPairs, block_end - c0);
+    const int64_t count = std::min(kChunkPairs, pairs - c0);
+    runs.count = 0;
+    for (int64_t r0 = c0, r1; r0 < c0 + count; r0 = r1) {
+      r1 = std::min(c0 + count, segment_end<Block>(p, r0, pairs));
+      runs.end[runs.count++] = r1 - c0;
+    }
     for (int64_t j = 0; j < tiles; ++j) {
       __m512i* panel = panels + j * 2 * kChunkPairs;
       const uint8_t* g = w + j * tile_bytes + c0 * kGroupBytes;
       for (int64_t i = 0; i < count; ++i) convert_group(tb, g + i * kGroupBytes, panel[2 * i], panel[2 * i + 1]);
-      if (Block) lane_block_scales(p, t0 + j, 2 * c0, scale[j][0], scale[j][1]);
+      if (Block) {
+        for (int run = 0; run < runs.count; ++run) {
+          __m512* lane = runs.lane.data() + (j * kChunkPairs + run) * 2;
+          lane_block_scales(p, t0 + j, 2 * (c0 + (run ? runs.end[run - 1] : 0)), lane[0], lane[1]);
+        }
+      }
     }
     for (int64_t b = 0; b < a.blocks; ++b) {
       const int64_t v0 = a.block_start(b);
       const int rows = a.rows_in(b);
+      if (grouped) {
+        for (int run = 0; run < runs.count; ++run) {
+          row_group_scales(p, a.output_row.data() + v0, rows, c0 + (run ? runs.end[run - 1] : 0),
+                           runs.row.data() + run * kMaxRows);
+        }
+      }
       for (int64_t j = 0; j < tiles; ++j) {
         float* acc_rows[kMaxRows];
         for (int r = 0; r < rows; ++r) acc_rows[r] = acc + (j * p.M + a.output_row[v0 + r]) * kTileN;
@@ -418,8 +479,9 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
         // first, the lines waited through every block and had partly left
         // L2 again: 2 % slower at M = 256.
         const uint8_t* next = w + j * tile_bytes + (c0 + count < pairs ? (c0 + count) * kGroupBytes : tiles * tile_bytes);
-        kPanelRows[rows](panels + j * 2 * kChunkPairs, count, a.row(v0) + c0, pairs, acc_rows,
-                         Block ? scale[j] : nullptr, b == a.blocks - 1 ? next : nullptr);
+        kPanelRows[rows](panels + j * 2 * kChunkPairs, a.row(v0) + c0, pairs, acc_rows, runs.count, runs.end.data(),
+                         Block ? runs.lane.data() + j * kChunkPairs * 2 : nullptr, grouped ? runs.row.data() : nullptr,
+                         b == a.blocks - 1 ? next : nullptr);
       }
     }
     c0 += count;
@@ -458,12 +520,16 @@ void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, i
   std::vector<float> lanes(group * p.M * kTileN);
   float mult[kTileN];
   const bool block = p.scale_kind == kScaleBlock;
+  bf16::ChunkRuns runs;  // a chunk has at most one run per pair
+  runs.end.resize(bf16::kChunkPairs);
+  if (block) runs.lane.resize(group * bf16::kChunkPairs * 2);
+  if (p.group_scale) runs.row.resize(bf16::kChunkPairs * bf16::kMaxRows);
   for (int64_t t0 = tile_begin; t0 < tile_end; t0 += group) {
     const int64_t tiles = std::min(group, tile_end - t0);
     if (block) {
-      bf16::tile_group<true>(p, tb, a, t0, tiles, panels, lanes.data());
+      bf16::tile_group<true>(p, tb, a, t0, tiles, panels, lanes.data(), runs);
     } else {
-      bf16::tile_group<false>(p, tb, a, t0, tiles, panels, lanes.data());
+      bf16::tile_group<false>(p, tb, a, t0, tiles, panels, lanes.data(), runs);
     }
     for (int64_t j = 0; j < tiles; ++j) {
       fill_channel_mult(p, t0 + j, block, mult);

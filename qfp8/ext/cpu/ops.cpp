@@ -213,7 +213,6 @@ inline float load_float(const T* data, int64_t i) {
 }
 
 enum Activation { kNone, kToken, kTensor, kGroup, kStatic, kTokenMse };
-constexpr int64_t kGroupSize = 128;  // 1 x 128 activation groups (formats.ACTIVATION_GROUP_SIZE)
 
 Activation parse_activation(c10::string_view activation) {
   if (activation == "none") return kNone;
@@ -261,11 +260,15 @@ float token_mse_scale(const float* row, int64_t K, float amax, float fmax, at::S
 }
 
 // Fills buffer [M][Kp] (zero padded) and row_scale [M] from x [M][K]. With
-// out_bf16 (a quantizing mode other than kGroup: FP8 values, exact in bf16)
-// the values go to out_bf16 [M][K] as bf16 bits instead, and buffer is unused.
+// out_bf16 (a quantizing mode: FP8 values, exact in bf16) the values go to
+// out_bf16 [M][K] as bf16 bits instead, and buffer is unused. kGroup: with
+// group_scale ([M][ceil(K / kActivationGroup)]) the values are the FP8 ones
+// and each group's scale goes there; without, the scales multiply the values
+// (q * scale in float32, as formats.dequantize_activation does).
 template <typename T>
 void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activation mode, at::ScalarType qdtype,
-                         const float* input_scale, float* buffer, float* row_scale, uint16_t* out_bf16 = nullptr) {
+                         const float* input_scale, float* buffer, float* row_scale, uint16_t* out_bf16 = nullptr,
+                         float* group_scale = nullptr) {
   float qmax = 448.0f;
   if (qdtype == at::kFloat8_e4m3fnuz) qmax = 240.0f;
   if (qdtype == at::kFloat8_e5m2) qmax = 57344.0f;
@@ -323,15 +326,16 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
           quantize_row(xr, K, tensor_scale, 1.0f, grid, out);
           row_scale[m] = tensor_scale;
           break;
-        case kGroup:
-          // The group scale varies along K, so it goes into the values
-          // (q * scale in float32, as formats.dequantize_activation does).
-          for (int64_t g = 0; g < K; g += kGroupSize) {
-            const int64_t n = std::min(K, g + kGroupSize) - g;
+        case kGroup: {
+          const int64_t groups = (K + kActivationGroup - 1) / kActivationGroup;
+          for (int64_t g = 0; g < K; g += kActivationGroup) {
+            const int64_t n = std::min(K, g + kActivationGroup) - g;
             const float scale = scale_from_amax(finite_amax(xr + g, n), qmax);
-            quantize_row(xr + g, n, scale, scale, grid, out + g);
+            quantize_row(xr + g, n, scale, group_scale ? 1.0f : scale, grid, out + g);
+            if (group_scale) group_scale[m * groups + g / kActivationGroup] = scale;
           }
           break;
+        }
       }
       if (out_bf16) {  // exact: an FP8 value (or NaN) keeps its top 16 bits
         uint16_t* row = out_bf16 + m * K;
@@ -442,33 +446,35 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   // (kernel.h); when it declines, x goes the float32 way below (and the ISA
   // is not asked again: it would decline for the same reason).
   bool declined = false;
-  std::vector<float> x_buffer, row_scale;
+  std::vector<float> x_buffer, row_scale, group_scale;
   std::vector<uint16_t> x_quantized;  // outlives the tiles: the ISA may read it in place
   // prepare_activations on x in its dtype, into a float32 buffer or as bf16.
-  auto prepare_x = [&](float* buffer, uint16_t* bf16) {
+  auto prepare_x = [&](float* buffer, uint16_t* bf16, float* groups) {
     if (xdtype == at::kFloat) {
       prepare_activations(x.data_ptr<float>(), M, K, Kp, mode, activation_dtype, input_scale_data, buffer,
-                          row_scale.data(), bf16);
+                          row_scale.data(), bf16, groups);
     } else if (xdtype == at::kBFloat16) {
       prepare_activations(x.data_ptr<c10::BFloat16>(), M, K, Kp, mode, activation_dtype, input_scale_data, buffer,
-                          row_scale.data(), bf16);
+                          row_scale.data(), bf16, groups);
     } else {
       prepare_activations(x.data_ptr<c10::Half>(), M, K, Kp, mode, activation_dtype, input_scale_data, buffer,
-                          row_scale.data(), bf16);
+                          row_scale.data(), bf16, groups);
     }
   };
   const uint16_t* x_bf16 = nullptr;
   if (isa.prepare && mode == kNone && xdtype == at::kBFloat16) {
     x_bf16 = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  } else if (isa.prepare && mode != kNone && mode != kGroup) {
+  } else if (isa.prepare && mode != kNone) {
     // Quantized activations are FP8 values, exact in bf16: handed over as
-    // bf16 (no float32 buffer, no split into parts). Group scales multiply
-    // the values themselves, which bf16 would round, so kGroup goes below.
-    // (A block scale with an odd k-block makes the ISA decline: x is then
-    // quantized again below, into float32.)
+    // bf16 (no float32 buffer, no split into parts). Group scales go with
+    // them, for the tiles to apply to each group's partial sums (in the
+    // values they would need three bf16 parts). (A block scale with an odd
+    // k-block makes the ISA decline: x is then quantized again below, into
+    // float32, with the group scales in the values.)
     x_quantized.resize(M * K);
     row_scale.resize(M);
-    prepare_x(nullptr, x_quantized.data());
+    if (mode == kGroup) group_scale.resize(M * ((K + kActivationGroup - 1) / kActivationGroup));
+    prepare_x(nullptr, x_quantized.data(), mode == kGroup ? group_scale.data() : nullptr);
     x_bf16 = x_quantized.data();
   }
   if (x_bf16) {
@@ -476,7 +482,12 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
     prepared = isa.prepare(p);
     p.x_bf16 = nullptr;
     declined = !prepared;
-    if (prepared && mode != kNone) p.row_scale = row_scale.data();
+    if (prepared && mode == kGroup) {
+      p.group_scale = group_scale.data();
+      p.group_cols = (K + kActivationGroup - 1) / kActivationGroup;
+    } else if (prepared && mode != kNone) {
+      p.row_scale = row_scale.data();
+    }
   }
   // Activations as float32 [M][Kp]: x itself when it already is float32
   // with an even K, else converted (or quantized) into a buffer.
@@ -487,7 +498,7 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   } else {
     x_buffer.resize(M * Kp);
     if (mode != kNone) row_scale.resize(M);
-    prepare_x(x_buffer.data(), nullptr);
+    prepare_x(x_buffer.data(), nullptr, nullptr);
     p.x = x_buffer.data();
     if (mode != kNone && mode != kGroup) p.row_scale = row_scale.data();
   }
