@@ -18,7 +18,11 @@ in the model's dtype. Scales are float32:
   average out over tokens (README: the measured effect);
 - dynamic (no static scale for K or V): per-head ``[B, H_kv, 1, 1]``, taken from
   the first ``update`` of the sequence (the prefill) with ``DYNAMIC_HEADROOM``
-  so later tokens fit; anything beyond still saturates, never overflows.
+  so later tokens fit. In eager mode a head's scale grows when a later update
+  of several tokens, or a one-token step while the cache holds fewer than
+  ``GROWTH_CHECK_TOKENS``, would saturate, and its stored states are quantized
+  again (a short first update, a cached prefix before a prompt); otherwise
+  anything beyond the headroom saturates, never overflows.
 
 Optional key centering (``center_keys=True``): the first update's per-channel
 mean of K (``[B, H_kv, 1, D]``) is subtracted before quantizing and never added
@@ -74,6 +78,10 @@ from qfp8.nn.qlinear import keep_buffer_dtypes
 
 KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DYNAMIC_HEADROOM = 2.0
+# One-token steps check whether a dynamic scale still fits while the cache holds fewer tokens than this (a
+# scale taken from a short first update, a lone BOS token for one, may be far too small); updates of several
+# tokens always do. Each check costs a few small ops per layer, so decoding past this skips it.
+GROWTH_CHECK_TOKENS = 64
 # Static scale search: candidate factors 1 + j/16 on amax / fmax, judged on at
 # most this many K (V) rows per layer kept from calibration (every row until
 # the cap, then every second, fourth, ... row: spread over all batches).
@@ -147,10 +155,44 @@ class _Float8LayerMixin:
     def _quantize_new(self, key_states: torch.Tensor, value_states: torch.Tensor):
         if self.attention.qfp8_kv_calibrating:
             self.attention._record_kv_amax(key_states, value_states)
+        if not torch.compiler.is_compiling() and self._scales_may_grow():
+            filled = self._filled()
+            if filled > 0 and (key_states.shape[-2] > 1 or filled < GROWTH_CHECK_TOKENS):
+                self._grow_dynamic_scales(key_states, value_states)
         k_scale, v_scale = self._scales()
         if self.key_mean is not None:
             key_states = key_states.to(torch.float32) - self.key_mean
         return quantize_kv(key_states, k_scale, self.fp8_dtype), quantize_kv(value_states, v_scale, self.fp8_dtype)
+
+    def _scales_may_grow(self) -> bool:
+        return (self.attention.k_scale is None and self.key_scale is not None) or (
+            self.attention.v_scale is None and self.value_scale is not None
+        )
+
+    def _grow_dynamic_scales(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """A later update whose K (V) a dynamic per-head scale would saturate (a prompt after a cached prefix,
+        chunked prefill, assisted decoding's drafts, the first steps after a short prompt): that head's scale
+        grows to fit it, with the usual headroom, and its stored states are quantized again to it (rounded
+        twice). Checked for updates of several tokens, and for one-token steps while the cache holds fewer
+        than GROWTH_CHECK_TOKENS (later, a step beyond the headroom saturates); not in compiled steps, which
+        cannot branch on the data."""
+        fmax = torch.finfo(self.fp8_dtype).max
+        for name, states, static in (
+            ("key", key_states, self.attention.k_scale),
+            ("value", value_states, self.attention.v_scale),
+        ):
+            scale = getattr(self, f"{name}_scale")
+            if static is not None or scale is None:
+                continue
+            if name == "key" and self.key_mean is not None:
+                states = states.to(torch.float32) - self.key_mean
+            fits = _finite_abs(states).amax(dim=(-2, -1), keepdim=True) <= scale * fmax
+            if bool(fits.all()):
+                continue
+            grown = torch.where(fits, scale, torch.maximum(scale, per_head_scale(states, self.fp8_dtype)))
+            stored = self._stored(name)
+            self._store(name, quantize_kv(dequantize_kv(stored, scale, torch.float32), grown, self.fp8_dtype))
+            self._set_scale(name, grown)
 
     def _read(self, keys: torch.Tensor, values: torch.Tensor):
         k_scale, v_scale = self._scales()
@@ -202,6 +244,18 @@ class _Float8DynamicMixin(_Float8LayerMixin):
     def reset(self) -> None:
         super().reset()
         self.key_scale = self.value_scale = self.key_mean = None
+
+    def _filled(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    def _stored(self, name: str) -> torch.Tensor:
+        return self.keys if name == "key" else self.values
+
+    def _store(self, name: str, states: torch.Tensor) -> None:
+        setattr(self, "keys" if name == "key" else "values", states)
+
+    def _set_scale(self, name: str, scale: torch.Tensor) -> None:
+        setattr(self, f"{name}_scale", scale)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.get_seq_length() > 0:
@@ -343,6 +397,22 @@ class _Float8StaticMixin(_Float8LayerMixin):
         self.key_bytes.index_copy_(2, position, new_keys.view(torch.uint8))
         self.value_bytes.index_copy_(2, position, new_values.view(torch.uint8))
         self.cumulative_length.add_(length)
+
+    def _filled(self) -> int:
+        """Tokens held in the buffer (eager only: reads the count)."""
+        if not self.is_initialized:
+            return 0
+        return min(int(getattr(self, "cumulative_length_int", None) or self.cumulative_length), self.max_cache_len)
+
+    def _stored(self, name: str) -> torch.Tensor:
+        return (self.keys if name == "key" else self.values)[:, :, : self._filled()]
+
+    def _store(self, name: str, states: torch.Tensor) -> None:
+        data = self.key_bytes if name == "key" else self.value_bytes
+        data[:, :, : states.shape[-2]].copy_(states.view(torch.uint8))
+
+    def _set_scale(self, name: str, scale: torch.Tensor) -> None:
+        getattr(self, f"{name}_scale").copy_(scale)  # in place: compiled steps read this address
 
     def dequantized(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """States ``update`` returned, in the model dtype; of the whole buffer, eager converts only the filled part."""
@@ -619,15 +689,32 @@ def _install_layer(cache, attention: nn.Module) -> None:
             f"FP8 KV cache: layer {index} is a {type(layer).__name__}; only DynamicLayer, StaticLayer and their "
             "sliding-window variants (DynamicCache / StaticCache) are supported"
         )
-    if layer.is_initialized:
+    if layer.is_initialized and not _holds_nothing(layer):
         raise ValueError(
             f"FP8 KV cache: cache layer {index} already holds unquantized states; start from a fresh cache"
         )
     layers[index] = new_layer
 
 
+def _holds_nothing(layer) -> bool:
+    """A static layer allocated ahead of its first update (``StaticCache.early_initialization``, which transformers
+    calls for chunked prefill and export): its float buffers are replaced, not read."""
+    if not isinstance(layer, StaticLayer):
+        return False
+    if torch.compiler.is_compiling():
+        return True  # the count is a tensor a graph cannot branch on; a float cache filled first is not supported
+    return int(layer.cumulative_length) == 0 and getattr(layer, "cumulative_length_int", 0) == 0
+
+
 def _pre_forward(module: nn.Module, args, kwargs):
     if not module.qfp8_kv_enabled:
+        # Off for caches met from now on; one already holding this module's FP8 layer stays FP8 and its
+        # attention still needs the layer (set_fp8_kv_cache_enabled).
+        cache = _cache_from(kwargs)
+        layers = getattr(cache, "layers", ())
+        layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
+        if isinstance(layer, _Float8LayerMixin) and layer.attention is module and layer._fused():
+            return args, {**kwargs, "qfp8_kv_layer": layer}
         return None
     cache = _cache_from(kwargs)
     if cache is None:

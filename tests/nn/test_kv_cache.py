@@ -613,3 +613,62 @@ def test_a_submodule_holding_the_attention_loads_its_scales(base_model, prompt):
     state["layers.0.self_attn.k_scale"] = torch.tensor([float("nan")])
     with pytest.raises(ValueError, match=r"layers.0.self_attn.k_scale: .*finite and > 0"):
         fresh.model.load_state_dict(state)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+@pytest.mark.parametrize("later", [1, 9], ids=["one-token-step", "prompt-after-prefix"])
+def test_dynamic_scales_grow_when_a_later_update_would_saturate(base_model, static, later):
+    """A first update 100x smaller than what follows (a lone BOS token, a cached prefix): the head's scale grows
+    and the stored states are quantized again, instead of every later K/V saturating (~100 % error)."""
+    model = copy.deepcopy(base_model)
+    kvc.enable_fp8_kv_cache(model)
+    attention = next(iter(kvc.attention_modules(model).values()))
+    layer = kvc.Float8StaticLayer(32, attention) if static else kvc.Float8DynamicLayer(attention)
+    g = torch.Generator().manual_seed(4)
+    first = [torch.randn(1, 2, 1, 16, generator=g) * 0.01 for _ in range(2)]
+    then = [torch.randn(1, 2, later, 16, generator=g) for _ in range(2)]
+    layer.update(*first)
+    layer.update(*then)
+    keys, values = layer.dequantized(layer.keys, layer.values)
+    for got, parts in ((keys, (first[0], then[0])), (values, (first[1], then[1]))):
+        want = torch.cat(parts, dim=-2)
+        got = got[:, :, : want.shape[-2]]
+        for at in (slice(0, 1), slice(1, None)):  # the first token, rounded twice, and the later ones
+            error = (got[:, :, at] - want[:, :, at]).norm() / want[:, :, at].norm()
+            assert error < 0.05, (at, float(error))
+
+
+def test_a_preallocated_static_cache_and_chunked_prefill_take_the_fp8_cache(base_model):
+    """transformers allocates a StaticCache ahead of its first update for chunked prefill (and export): its float
+    buffers hold nothing yet and are replaced."""
+    model = copy.deepcopy(base_model)
+    qfp8.quantize(model, kv_cache="float8_e4m3fn")
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(ids, use_cache=True).logits
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        cache.early_initialization(batch_size=1, num_heads=2, head_dim=16, dtype=torch.float32, device="cpu")
+        got = model(ids, past_key_values=cache, use_cache=True).logits
+    assert cache.layers[0].keys.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    out = model.generate(
+        ids, max_new_tokens=4, do_sample=False, cache_implementation="static", prefill_chunk_size=8,
+        return_dict_in_generate=True, pad_token_id=0,
+    )  # fmt: skip
+    assert out.past_key_values.layers[0].keys.dtype == torch.float8_e4m3fn
+
+
+def test_a_filled_fp8_cache_continues_after_the_cache_is_turned_off(base_model):
+    """set_fp8_kv_cache_enabled(model, False) is for caches met later; one already FP8 keeps working."""
+    model = copy.deepcopy(base_model)
+    qfp8.quantize(model, kv_cache="float8_e4m3fn")
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(6))
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    kvc.set_fp8_kv_cache_enabled(model, False)
+    more = model.generate(
+        out.sequences, past_key_values=out.past_key_values, max_new_tokens=3, do_sample=False, pad_token_id=0,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert more.sequences.shape[1] == 16 and more.past_key_values.layers[0].keys.dtype == torch.float8_e4m3fn
+    fresh = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+    assert fresh.past_key_values.layers[0].keys.dtype == torch.float32
