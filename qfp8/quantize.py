@@ -341,6 +341,8 @@ def quantize(
             "cannot be replaced in place; wrap it, quantize the wrapper and take the layer back: "
             "qfp8.quantize(nn.Sequential(linear))[0][0]"
         )
+    if isinstance(kv_cache, torch.dtype):  # taken as weights= takes one: torch.float8_e4m3fn
+        kv_cache = str(kv_cache).removeprefix("torch.")
     if kv_cache not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache {kv_cache!r}; expected one of {list(KV_CACHE_DTYPES)}")
     if weights is None:

@@ -672,3 +672,11 @@ def test_a_filled_fp8_cache_continues_after_the_cache_is_turned_off(base_model):
     assert more.sequences.shape[1] == 16 and more.past_key_values.layers[0].keys.dtype == torch.float8_e4m3fn
     fresh = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
     assert fresh.past_key_values.layers[0].keys.dtype == torch.float32
+
+
+def test_quantize_takes_the_kv_cache_dtype_as_a_torch_dtype_too(base_model):
+    model = copy.deepcopy(base_model)
+    qfp8.quantize(model, kv_cache=torch.float8_e5m2)
+    assert all(a.qfp8_kv_dtype == torch.float8_e5m2 for a in kvc.attention_modules(model).values())
+    with pytest.raises(ValueError, match="unknown kv_cache 'int8'"):
+        qfp8.quantize(copy.deepcopy(base_model), kv_cache=torch.int8)
