@@ -141,9 +141,24 @@ def linear(op, unpack, *args):
 
 
 def apply_linear(op, unpack, *args):
-    """:func:`linear` for a call known to need a gradient (the CPU kernel op's Autograd kernel sends those here)."""
-    _layout(args)  # a TypeError for arguments of no linear op, before any work
-    return _Linear.apply(op, unpack, *args)
+    """:func:`linear` for a call known to need a gradient (the CPU kernel op's Autograd kernel sends those here).
+
+    Under torch.func transforms (``torch.func.grad`` of an exported graph,
+    which calls the op directly) an autograd.Function cannot run from inside
+    the op's Autograd kernel; there the op's value gets the same gradient from
+    aten ops instead (straight-through for W8A8, as the formula).
+    """
+    n, k, block_size = _layout(args)  # a TypeError for arguments of no linear op, before any work
+    if not torch._C._are_functorch_transforms_active():
+        return _Linear.apply(op, unpack, *args)
+    x, weight, weight_scale, bias = args[:4]
+    canonical = weight if unpack is None else unpack(weight, n, k)
+    w = formats.dequantize_weight(canonical, weight_scale, block_size or None)
+    with torch.no_grad():
+        value = op(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+    product = x.to(torch.float32) @ w.t()
+    out = value + (product - product.detach()).to(value.dtype)
+    return out if bias is None else out + (bias - bias.detach()).to(value.dtype)
 
 
 def register_backward(op: str, unpack=None) -> None:

@@ -162,7 +162,7 @@ if _EXTENSION is not None:
     # The extension's Autograd kernel of these ops sends each call that needs
     # a gradient here (a graph torch.export traced calls the ops directly).
     _EXTENSION._set_differentiable("qfp8::scaled_linear_cpu", _differentiable)
-    _EXTENSION._set_differentiable("qfp8::experts_linear", experts.ExpertsLinear.apply)
+    _EXTENSION._set_differentiable("qfp8::experts_linear", experts.apply_differentiable)
 
 if _EXTENSION is None:
     # No compiled kernel: the op still has its meaning (unpack, then the

@@ -165,8 +165,11 @@ def _grad_input_backward(ctx, grad_grad_x):
         weight = unpack(ctx.weights[expert], ctx.n, ctx.k)
         dequantized = formats.dequantize_weight(weight, ctx.weight_scales[expert], list(ctx.block_size) or None)
         grad_grad[rows] = grad_grad_x[rows].float() @ dequantized.t()
+    # torch.library matches the inputs' tree: one None per tensor of a Tensor[] argument; for an int[] one, one
+    # None (its values are not differentiable), or [] when it is empty (no leaf to stand for).
     nones = [None] * len(ctx.weights)
-    return grad_grad.to(grad_grad_x.dtype), None, nones, list(nones), None, [None] * len(ctx.block_size), None, None
+    block = [] if not ctx.block_size else None
+    return grad_grad.to(grad_grad_x.dtype), None, nones, list(nones), None, block, None, None
 
 
 torch.library.register_autograd(
@@ -187,7 +190,12 @@ class ExpertsLinear(torch.autograd.Function):
         x, expert_ids, weights, weight_scales, _, kernel, _, block_size, _, _, out_features, in_features = inputs
         ctx.save_for_backward(expert_ids, *weights, *weight_scales)
         ctx.experts, ctx.kernel, ctx.block_size = len(weights), kernel, block_size
-        ctx.list_lengths = [len(value) if isinstance(value, list | tuple) else None for value in inputs]
+        # The op's own backward (register_backward) matches the inputs' tree: one None per tensor of a Tensor[]
+        # argument, [] for an empty list, one None for anything else.
+        ctx.list_lengths = [
+            len(value) if isinstance(value, list | tuple) and (not value or isinstance(value[0], torch.Tensor)) else None
+            for value in inputs
+        ]
         ctx.sizes, ctx.x_dtype = (out_features, in_features), x.dtype
 
     @staticmethod
@@ -198,6 +206,16 @@ class ExpertsLinear(torch.autograd.Function):
             grad, expert_ids, weights, weight_scales, ctx.kernel, ctx.block_size, *ctx.sizes
         )
         return (grad_x.to(ctx.x_dtype), *([None] * 11))
+
+
+def apply_differentiable(*args) -> torch.Tensor:
+    """A call of the op that needs a gradient, sent here by the CPU extension's Autograd kernel."""
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            "qfp8::experts_linear called directly (an exported graph) under a torch.func transform: not supported; "
+            "run the model itself (its MoE layers apply the formula) or use torch.autograd"
+        )
+    return ExpertsLinear.apply(*args)
 
 
 def register_backward() -> None:

@@ -566,8 +566,8 @@ class QLinear(nn.Module):
         if self.calibrating:
             try:
                 return self._calibration_forward(x)
-            except RuntimeError as error:  # an input the layer cannot take: the same error as outside calibration
-                self._raise_input_error(x, error)
+            except (RuntimeError, AttributeError) as error:  # an input the layer cannot take: the same error as
+                self._raise_input_error(x, error)  # outside calibration (a list has no reshape: AttributeError)
         if not _is_compiling() and self.__dict__["_fast"] is None and not torch.jit.is_tracing():
             # Something disarmed the fast path (see _arm); arm it again if the
             # regular path is no longer needed. Not while torch.jit traces:
@@ -589,29 +589,38 @@ class QLinear(nn.Module):
     def _calibration_forward(self, x: torch.Tensor) -> torch.Tensor:
         # The running maximum of every batch seen so far sets the scale used
         # now, so the layers downstream see this layer's quantization error.
-        if self.hessian is not None:
-            x2d = x.detach().reshape(-1, self.in_features).to(torch.float32)
-            x2d = torch.nan_to_num(x2d, nan=0.0, posinf=0.0, neginf=0.0)
-            self._calibration_rows += x2d.shape[0]
-            if self.hessian.dim() == 1:  # "scale" reads diag(H) only: [K], not [K, K]
-                self.hessian.add_(x2d.square().sum(0))
-            else:
-                self.hessian.addmm_(x2d.t(), x2d)
+        # What a batch measures is kept only once the layer has taken it (a
+        # refused input leaves the calibration as it was).
         if self.scheme.activations != "static":
-            return self._op(x, self.qweight, self.weight_scale, self.bias, self.input_scale, *self._extra_args)
+            out = self._op(x, self.qweight, self.weight_scale, self.bias, self.input_scale, *self._extra_args)
+            self._accumulate_hessian(x)
+            return out
         x2d = x.reshape(-1, self.in_features)
-        amax = formats.activation_amax(x2d, "tensor")
+        batch_amax = formats.activation_amax(x2d, "tensor")
         # A batch with no finite nonzero value (empty, all zeros, all NaN/Inf)
         # measures nothing: amax = 0 would calibrate the layer to eps, where
         # every real input saturates.
-        if bool(amax > 0):
-            if self._calibration_amax is not None:
-                amax = torch.maximum(amax, self._calibration_amax)
+        measured = bool(batch_amax > 0)
+        amax = self._calibration_amax
+        if measured:
+            amax = batch_amax if amax is None else torch.maximum(batch_amax, amax)
+        scale = formats.scale_from_amax(batch_amax if amax is None else amax, self.scheme.activation_dtype)
+        out = self._kernel_op(x, self.qweight, self.weight_scale, self.bias, scale, *self._extra_args)
+        if measured:
             self._calibration_amax = amax
-        elif self._calibration_amax is not None:
-            amax = self._calibration_amax
-        scale = formats.scale_from_amax(amax, self.scheme.activation_dtype)
-        return self._kernel_op(x, self.qweight, self.weight_scale, self.bias, scale, *self._extra_args)
+        self._accumulate_hessian(x)
+        return out
+
+    def _accumulate_hessian(self, x: torch.Tensor) -> None:
+        if self.hessian is None:
+            return
+        x2d = x.detach().reshape(-1, self.in_features).to(torch.float32)
+        x2d = torch.nan_to_num(x2d, nan=0.0, posinf=0.0, neginf=0.0)
+        self._calibration_rows += x2d.shape[0]
+        if self.hessian.dim() == 1:  # "scale" reads diag(H) only: [K], not [K, K]
+            self.hessian.add_(x2d.square().sum(0))
+        else:
+            self.hessian.addmm_(x2d.t(), x2d)
 
     def start_calibration(self) -> None:
         self.calibrating = True

@@ -154,3 +154,24 @@ def test_second_order_gradients_and_torch_func_match_the_dequantized_float64_mod
     want_grad = torch.func.grad(lambda x: float64(x).sum())(x.double())
     got_grad = torch.func.grad(lambda x: model(x).sum())(x)
     assert (got_grad.double() - want_grad).norm() / want_grad.norm() < 1e-5
+
+
+@pytest.mark.parametrize("activation", ["none", "token"])
+def test_torch_func_grad_of_a_direct_cpu_kernel_call_matches_autograd(activation):
+    """torch.func.grad over the op itself (an exported graph calls it so): the op's Autograd kernel cannot run an
+    autograd.Function under torch.func, so the same formula runs in aten ops there."""
+    if cpu.cpu_kernel_isa() is None:
+        pytest.skip("the CPU kernel's op needs the qfp8 extension, which this build lacks")
+    q, scale, block_size = _layer("block")
+    op, unpack, weight, tail = _ops(q, block_size)["cpu"]
+    bias = torch.randn(N)
+    x = torch.randn(3, K)
+
+    def f(x, bias):
+        return op(x, weight, scale, bias, None, *tail, activation, torch.float8_e4m3fn).square().sum()
+
+    got = torch.func.grad(f, argnums=(0, 1))(x, bias)
+    xr, br = x.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+    want = torch.autograd.grad(f(xr, br), (xr, br))
+    for g, w in zip(got, want, strict=True):
+        assert w.abs().sum() > 0 and torch.allclose(g, w, rtol=1e-5, atol=1e-6)

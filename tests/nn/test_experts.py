@@ -11,6 +11,7 @@ the float model, and by a bitwise round trip.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -870,13 +871,20 @@ def test_experts_linear_grad_input_op():
     )
 
 
-def test_second_order_gradients_through_the_experts_op_match_float64():
+@pytest.mark.parametrize("block_size", [(), (16, 32)], ids=["channel", "block"])
+def test_second_order_gradients_through_the_experts_op_match_float64(block_size):
     """A gradient penalty (the input gradient's own gradient) through ``experts_linear`` called directly, as an
-    exported graph calls it: the input-gradient op has a backward too."""
-    qexperts = quantized_down_proj()
+    exported graph calls it: the input-gradient op has a backward too (its int[] block_size, empty or not,
+    takes no gradient)."""
+    model = moe()
+    quiet_quantize(model, **({"weight_scale": "block", "block_size": block_size} if block_size else {}))
+    qexperts = model.model.layers[0].mlp.experts.down_proj
     ids = torch.tensor([0, 1, 1, 3, 3, 3])
     x = torch.randn(len(ids), qexperts.in_features, generator=torch.Generator().manual_seed(5))
-    weights = [formats.dequantize_weight(e.canonical_weight(), e.weight_scale, None).double() for e in qexperts.experts]
+    weights = [
+        formats.dequantize_weight(e.canonical_weight(), e.weight_scale, block_size or None).double()
+        for e in qexperts.experts
+    ]
     first = qexperts.experts[0]
     args = (
         [e.qweight for e in qexperts.experts],
@@ -884,7 +892,7 @@ def test_second_order_gradients_through_the_experts_op_match_float64():
         [],
         qexperts.packing,
         first.scheme.weight_scale,
-        [],
+        list(block_size),
         "none",
         torch.float8_e4m3fn,
         qexperts.out_features,
@@ -906,3 +914,28 @@ def test_second_order_gradients_through_the_experts_op_match_float64():
     )
     assert want.abs().sum() > 0
     assert (got.double() - want).norm() / want.norm() < 1e-5
+
+
+def test_without_the_extension_the_experts_op_differentiates_with_block_scales_too(tmp_path):
+    """Without the C++ Autograd kernel the op gets a Python one, whose gradients must match the inputs' tree."""
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import warnings, torch, qfp8\n"
+        "from qfp8 import formats\n"
+        "from qfp8.library import cpu\n"
+        "assert cpu.cpu_kernel_isa() is None\n"
+        "w = torch.randn(2, 24, 40)\n"
+        "qs = [formats.quantize_weight(w[e], torch.float8_e4m3fn, 'block', (8, 8)) for e in range(2)]\n"
+        "x = torch.randn(3, 40, requires_grad=True)\n"
+        "ids = torch.tensor([0, 1, 1])\n"
+        "y = torch.ops.qfp8.experts_linear(x, ids, [q for q, _ in qs], [s for _, s in qs], [], 'reference', "
+        "'block', [8, 8], 'none', torch.float8_e4m3fn, 24, 40)\n"
+        "(g,) = torch.autograd.grad(y.sum(), x)\n"
+        "d = [formats.dequantize_weight(q, s, (8, 8)) for q, s in qs]\n"
+        "want = torch.stack([d[0].sum(0), d[1].sum(0), d[1].sum(0)])\n"
+        "assert torch.allclose(g, want, rtol=1e-5, atol=1e-5), (g - want).abs().max()\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "QFP8_NO_EXTENSION": "1"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]

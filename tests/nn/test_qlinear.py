@@ -243,3 +243,20 @@ def test_non_contiguous_bias_is_named():
     model[0].bias = nn.Parameter(torch.randn(8, 2)[:, 0])
     with pytest.raises(ValueError, match=r"QLinear\(.*\): the bias \(stride \(2,\)\) is not contiguous"):
         model(torch.randn(3, 16))
+
+
+@pytest.mark.parametrize("accuracy", [None, "gptq"])
+def test_a_batch_refused_during_calibration_leaves_the_calibration_as_it_was(accuracy):
+    model = nn.Sequential(make_linear())
+    qfp8.quantize(model, activations="static", accuracy=accuracy, exclude=())
+    accepted = torch.randn(8, 200)
+    with qfp8.calibrate(model):
+        model(accepted)
+        with pytest.raises(TypeError, match=r"QLinear\(in_features=200.*floating-point"):
+            model(torch.randint(0, 1000, (4, 200), dtype=torch.int32))
+        with pytest.raises(TypeError, match=r"QLinear\(in_features=200.*must be a tensor"):
+            model([1.0] * 200)
+        if accuracy:
+            assert model[0]._calibration_rows == 8
+    want = formats.scale_from_amax(accepted.abs().max().reshape(1), torch.float8_e4m3fn)
+    assert torch.equal(model[0].input_scale, want)
