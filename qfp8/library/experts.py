@@ -193,7 +193,9 @@ class ExpertsLinear(torch.autograd.Function):
         # The op's own backward (register_backward) matches the inputs' tree: one None per tensor of a Tensor[]
         # argument, [] for an empty list, one None for anything else.
         ctx.list_lengths = [
-            len(value) if isinstance(value, list | tuple) and (not value or isinstance(value[0], torch.Tensor)) else None
+            len(value)
+            if isinstance(value, list | tuple) and (not value or isinstance(value[0], torch.Tensor))
+            else None
             for value in inputs
         ]
         ctx.sizes, ctx.x_dtype = (out_features, in_features), x.dtype
