@@ -175,3 +175,19 @@ def test_torch_func_grad_of_a_direct_cpu_kernel_call_matches_autograd(activation
     want = torch.autograd.grad(f(xr, br), (xr, br))
     for g, w in zip(got, want, strict=True):
         assert w.abs().sum() > 0 and torch.allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_mode_ad_through_a_kernel_layer_is_refused_not_dropped():
+    """A dual tensor's tangent through the CPU kernel would silently come out zero; the op refuses it."""
+    if cpu.cpu_kernel_isa() is None:
+        pytest.skip("the CPU kernel's op needs the qfp8 extension, which this build lacks")
+    import torch.autograd.forward_ad as forward_ad
+
+    model = nn.Sequential(nn.Linear(K, N))
+    qfp8.quantize(model, exclude=())
+    x, tangent = torch.randn(3, K), torch.randn(3, K)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"), forward_ad.dual_level():
+        model(forward_ad.make_dual(x, tangent))
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(model, (x,), (tangent,))
+    assert torch.isfinite(model(x)).all()  # plain calls are untouched

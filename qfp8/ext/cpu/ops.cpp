@@ -676,6 +676,15 @@ bool parse_int(PyObject* obj, int64_t& value) {
   return !(value == -1 && PyErr_Occurred());
 }
 
+// Whether x carries a forward-mode tangent (a dual tensor) at one of the first levels; forward AD and
+// torch.func.jvp open levels from 0 and rarely nest deeply.
+bool has_forward_grad(const at::Tensor& x) {
+  for (uint64_t level = 0; level < 4; ++level) {
+    if (x._fw_grad(level).defined()) return true;
+  }
+  return false;
+}
+
 PyObject* scaled_linear_cpu_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (g_eager_fallback == nullptr) {
@@ -697,6 +706,7 @@ PyObject* scaled_linear_cpu_eager(PyObject* /*module*/, PyObject* const* args, P
   if (bias != Py_None) bias_t = THPVariable_Unpack(bias);
   if (input_scale != Py_None) input_scale_t = THPVariable_Unpack(input_scale);
   if (c10::GradMode::is_enabled() && (xt.requires_grad() || (bias_t && bias_t->requires_grad()))) return fallback();
+  if (has_forward_grad(xt)) return fallback();  // the op's Autograd kernel refuses forward-mode AD
   int64_t n = 0, k = 0;
   PyObject* block = args[7];
   if (!parse_int(args[5], n) || !parse_int(args[6], k) || !(PyList_Check(block) || PyTuple_Check(block)) ||
@@ -817,6 +827,10 @@ void differentiable_autograd(const c10::OperatorHandle& op, torch::jit::Stack* s
       needs_grad = needs_grad || (value != nullptr && value->isTensor() && value->toTensor().requires_grad());
     }
   }
+  const c10::IValue& x = (*stack)[first + static_cast<size_t>(schema.argumentIndexWithName("x").value_or(0))];
+  TORCH_CHECK_NOT_IMPLEMENTED(!(x.isTensor() && has_forward_grad(x.toTensor())), schema.name(),
+                              ": forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not supported by "
+                              "qfp8's kernels; the tangent would be dropped");
   if (!needs_grad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     op.callBoxed(stack);
