@@ -32,6 +32,11 @@ import torch
 from qfp8 import formats
 
 
+def _grad_input(grad: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_size) -> torch.Tensor:
+    """``grad @ dequant(weight)`` in aten ops: the op below, and what torch.func runs in its place."""
+    return grad @ formats.dequantize_weight(weight, weight_scale, block_size or None)
+
+
 @torch.library.custom_op("qfp8::grad_input_linear", mutates_args=())
 def grad_input_linear(
     grad: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_size: list[int]
@@ -42,7 +47,7 @@ def grad_input_linear(
     node: the dequantization's 256-entry lookup table is a constant tensor
     that tracing could not take inside a graph.
     """
-    return grad @ formats.dequantize_weight(weight, weight_scale, block_size or None)
+    return _grad_input(grad, weight, weight_scale, block_size)
 
 
 @grad_input_linear.register_fake
@@ -100,7 +105,7 @@ def _grads(ctx, grad, count: int, x_index: int) -> tuple:
         if torch._C._are_functorch_transforms_active():
             # torch.func (grad, jacrev, ...): a custom op's autograd does not run under its transforms; the same
             # product in aten ops does, to any order.
-            grad_x = grad2d @ formats.dequantize_weight(weight, ctx.weight_scale, ctx.block_size or None)
+            grad_x = _grad_input(grad2d, weight, ctx.weight_scale, ctx.block_size)
         else:
             grad_x = torch.ops.qfp8.grad_input_linear(grad2d, weight, ctx.weight_scale, ctx.block_size)
         grads[x_index] = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)

@@ -708,27 +708,22 @@ def _holds_nothing(layer) -> bool:
 
 
 def _pre_forward(module: nn.Module, args, kwargs):
-    if not module.qfp8_kv_enabled:
-        # Off for caches met from now on; one already holding this module's FP8 layer stays FP8 and its
-        # attention still needs the layer (set_fp8_kv_cache_enabled).
-        cache = _cache_from(kwargs)
-        layers = getattr(cache, "layers", ())
-        layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
-        if isinstance(layer, _Float8LayerMixin) and layer.attention is module and layer._fused():
-            return args, {**kwargs, "qfp8_kv_layer": layer}
-        return None
     cache = _cache_from(kwargs)
     if cache is None:
-        if module.qfp8_kv_calibrating:
+        if module.qfp8_kv_enabled and module.qfp8_kv_calibrating:
             kwargs = dict(kwargs)
             kwargs.pop("past_key_values", None)
             kwargs["cache"] = _CalibrationRecorder(module)
             return args, kwargs
         return None
-    _install_layer(cache, module)
-    layer = cache.layers[module.layer_idx]
-    if layer._fused():
-        # The attention function (_fused_sdpa) needs this cache's layer for its scales.
+    if module.qfp8_kv_enabled:
+        _install_layer(cache, module)
+    # Turned off (set_fp8_kv_cache_enabled), a cache met from now on stays float, but one already holding this
+    # module's FP8 layer stays FP8. Either way, the attention function (_fused_sdpa) needs the FP8 layer for
+    # its scales.
+    layers = getattr(cache, "layers", ())
+    layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
+    if isinstance(layer, _Float8LayerMixin) and layer.attention is module and layer._fused():
         return args, {**kwargs, "qfp8_kv_layer": layer}
     return None
 

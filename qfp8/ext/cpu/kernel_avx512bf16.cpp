@@ -151,6 +151,17 @@ inline int64_t segment_end(const LinearProblem& p, int64_t start, int64_t pairs)
   return end;
 }
 
+// out += sum, times the lanes' block scales and the row's group scale where given.
+inline void add_scaled(float* out, __m512 sum, const __m512* lane, const float* row_scale) {
+  const __m512 before = _mm512_loadu_ps(out);
+  if (row_scale) {
+    const __m512 mult = _mm512_set1_ps(*row_scale);
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(sum, lane ? _mm512_mul_ps(*lane, mult) : mult, before));
+  } else {
+    _mm512_storeu_ps(out, lane ? _mm512_fmadd_ps(sum, *lane, before) : _mm512_add_ps(before, sum));
+  }
+}
+
 // The group scales of output rows `rows[0..count)` for the activation group of pair `start`.
 inline void row_group_scales(const LinearProblem& p, const int64_t* rows, int count, int64_t start, float* out) {
   for (int r = 0; r < count; ++r) out[r] = p.group_scale[rows[r] * p.group_cols + start / kActivationGroupPairs];
@@ -346,14 +357,8 @@ void tile_few_rows(const LinearProblem& p, const Tables& tb, int64_t t, const ui
     if (p.group_scale) row_group_scales(p, output_rows, Rows, s0, row_mult);
     for (int r = 0; r < Rows; ++r) {  // in row order (two virtual rows may share an output row)
       for (int j = 0; j < 2; ++j) {
-        const __m512 sum = _mm512_add_ps(acc[r][j], acc[r][2 + j]);
-        const __m512 before = _mm512_loadu_ps(acc_rows[r] + 16 * j);
-        if (p.group_scale) {
-          const __m512 mult = _mm512_set1_ps(row_mult[r]);
-          _mm512_storeu_ps(acc_rows[r] + 16 * j, _mm512_fmadd_ps(sum, Block ? _mm512_mul_ps(scale[j], mult) : mult, before));
-        } else {
-          _mm512_storeu_ps(acc_rows[r] + 16 * j, Block ? _mm512_fmadd_ps(sum, scale[j], before) : _mm512_add_ps(before, sum));
-        }
+        add_scaled(acc_rows[r] + 16 * j, _mm512_add_ps(acc[r][j], acc[r][2 + j]), Block ? &scale[j] : nullptr,
+                   p.group_scale ? &row_mult[r] : nullptr);
       }
     }
   }
@@ -400,17 +405,9 @@ void panel_rows(const __m512i* panel, const uint32_t* x, int64_t ld, float* cons
     }
     // In row order: two virtual rows of one output row add one after the other.
     for (int r = 0; r < Rows; ++r) {
-      float* out = acc_rows[r];
       for (int j = 0; j < 2; ++j) {
-        const __m512 before = _mm512_loadu_ps(out + 16 * j);
-        if (row) {
-          const __m512 mult = _mm512_set1_ps(row[run * kMaxRows + r]);
-          _mm512_storeu_ps(out + 16 * j,
-                           _mm512_fmadd_ps(acc[r][j], lane ? _mm512_mul_ps(lane[2 * run + j], mult) : mult, before));
-        } else {
-          _mm512_storeu_ps(out + 16 * j, lane ? _mm512_fmadd_ps(acc[r][j], lane[2 * run + j], before)
-                                              : _mm512_add_ps(before, acc[r][j]));
-        }
+        add_scaled(acc_rows[r] + 16 * j, acc[r][j], lane ? &lane[2 * run + j] : nullptr,
+                   row ? &row[run * kMaxRows + r] : nullptr);
       }
     }
   }

@@ -818,24 +818,24 @@ void differentiable_autograd(const c10::OperatorHandle& op, torch::jit::Stack* s
   const c10::FunctionSchema& schema = op.schema();
   const size_t count = schema.arguments().size();
   const size_t first = stack->size() - count;
-  empty_lists_from_none(schema, stack);
-  bool needs_grad = false;
-  if (c10::GradMode::is_enabled()) {
-    for (const char* name : {"x", "bias"}) {
-      const std::optional<int> index = schema.argumentIndexWithName(name);
-      const c10::IValue* value = index ? &(*stack)[first + static_cast<size_t>(*index)] : nullptr;
-      needs_grad = needs_grad || (value != nullptr && value->isTensor() && value->toTensor().requires_grad());
-    }
-  }
+  // The differentiable arguments: x, and the linear op's bias.
   const c10::IValue& x = (*stack)[first + static_cast<size_t>(schema.argumentIndexWithName("x").value_or(0))];
+  const std::optional<int> bias_index = schema.argumentIndexWithName("bias");
+  const c10::IValue* bias = bias_index ? &(*stack)[first + static_cast<size_t>(*bias_index)] : nullptr;
+  auto requires_grad = [](const c10::IValue* v) {
+    return v != nullptr && v->isTensor() && v->toTensor().requires_grad();
+  };
   TORCH_CHECK_NOT_IMPLEMENTED(!(x.isTensor() && has_forward_grad(x.toTensor())), schema.name(),
                               ": forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not supported by "
                               "qfp8's kernels; the tangent would be dropped");
-  if (!needs_grad) {
+  if (!(c10::GradMode::is_enabled() && (requires_grad(&x) || requires_grad(bias)))) {
+    // The kernels below take a None list themselves (the CPU one in scaled_linear_cpu_boxed, the experts'
+    // Python one in experts_linear_impl).
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     op.callBoxed(stack);
     return;
   }
+  empty_lists_from_none(schema, stack);  // the Python path reads the lists
   pybind11::gil_scoped_acquire gil;
   const auto found = g_differentiable.find(schema.name());
   TORCH_CHECK(found != g_differentiable.end(), schema.name(), ": no gradient path is registered (import qfp8)");
