@@ -33,6 +33,7 @@ here (``MODEL_TYPES``); anything else raises ``ValueError`` naming it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -272,6 +273,8 @@ def _calibrated_tensors(module: nn.Module, prefix: str, where: str) -> dict[str,
                 raise RuntimeError(f"{where}: {full} recorded no K/V during calibration")
             scales[full + ".k_scale"] = child.k_scale.detach().clone()
             scales[full + ".v_scale"] = child.v_scale.detach().clone()
+            if child.k_rounding_hessian is not None:  # written beside the checkpoint, not in it
+                scales[full + ".k_rounding_hessian"] = child.k_rounding_hessian.detach().clone()
     return scales
 
 
@@ -320,7 +323,7 @@ def calibrate_layerwise(
     total = 1 + len(layers) + calibrate_head
     step = on_step or (lambda done, total: None)
     scales: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as stack:
         _materialize(base.embed_tokens, "model.embed_tokens.", plan)
         hidden = [base.embed_tokens(batch) for batch in batches]
         base.embed_tokens.to(torch.device("meta"))  # frees the embedding
@@ -330,6 +333,11 @@ def calibrate_layerwise(
             if state.shape[1] not in shared:
                 shared[state.shape[1]] = _layer_inputs(model, state, use_cache)
         step(1, total)
+        if quantize_args.get("kv_cache") is not None:
+            from qfp8.nn.kv_cache import fused_attention_on  # imports transformers
+
+            # As in a whole model with the FP8 cache: qfp8's attention, which records what key rounding needs.
+            stack.enter_context(fused_attention_on(config))
         for index in range(len(layers)):
             prefix = f"model.layers.{index}."
             layer, layers[index] = layers[index], nn.Identity()  # the model keeps no reference to it

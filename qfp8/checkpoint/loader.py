@@ -15,14 +15,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from qfp8.checkpoint.naming import CheckpointNames
+from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames
 from qfp8.checkpoint.readers import CheckpointPlan, check_scale, check_scale_dtype, open_checkpoint
+from qfp8.checkpoint.safetensors_io import SafetensorsFile
 from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.nn.attention import use_packed_sdpa
 from qfp8.nn.experts import QExperts, find_fused_experts, use_fp8_experts
@@ -273,6 +276,20 @@ def enable_kv_cache_skeleton(model: nn.Module, dtype: torch.dtype) -> None:
         ) from error
     enable_fp8_kv_cache(model, dtype)
     model.qfp8_kv_cache_dtype = dtype
+
+
+def _load_kv_rounding(model: nn.Module, directory: Path, has_kv_cache: bool) -> None:
+    """The FP8 KV cache's query second moments from ``qfp8_kv_rounding.st`` (safetensors), when the folder has it."""
+    path = Path(directory) / KV_ROUNDING_FILE
+    if not path.is_file():
+        return
+    if not has_kv_cache:
+        warnings.warn(f"{path}: the checkpoint has no FP8 KV cache; its key-rounding file is ignored", stacklevel=3)
+        return
+    from qfp8.nn.kv_cache import load_k_rounding
+
+    file = SafetensorsFile(path)
+    load_k_rounding(model, {name: file.read(name) for name in file.keys()}, str(path))
 
 
 def _empty_weights():
@@ -650,6 +667,7 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     if plan.kv_cache_dtype is not None:
         enable_kv_cache_skeleton(model, plan.kv_cache_dtype)
     assign_state(model, state, plan, expert_weights)
+    _load_kv_rounding(model, checkpoint.directory, plan.kv_cache_dtype is not None)
     model.qfp8_source = str(checkpoint.directory)
     model.qfp8_checkpoint_format = plan.format
     if schemes:

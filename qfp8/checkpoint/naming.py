@@ -25,6 +25,11 @@ from __future__ import annotations
 
 from torch import nn
 
+# The FP8 KV cache's query second moments (compensated key rounding, qfp8.nn.kv_cache): qfp8's own file beside
+# the weights, since vLLM refuses a checkpoint tensor it does not know. Safetensors inside, but not named
+# *.safetensors: vLLM loads every *.safetensors file of a folder that has no index.
+KV_ROUNDING_FILE = "qfp8_kv_rounding.st"
+
 
 def _transforms(model: nn.Module) -> list | None:
     """The conversions transformers applies when it loads ``model`` (None: none, or no table)."""

@@ -48,6 +48,7 @@ import contextlib
 import os
 import signal
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -57,9 +58,9 @@ from qfp8 import formats, rounding
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint import layerwise
 from qfp8.checkpoint.loader import build_model
-from qfp8.checkpoint.naming import CheckpointNames
+from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames
 from qfp8.checkpoint.readers import open_checkpoint
-from qfp8.checkpoint.safetensors_io import PlannedTensor
+from qfp8.checkpoint.safetensors_io import PlannedTensor, write_safetensors
 from qfp8.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     carried_files,
@@ -292,6 +293,8 @@ def stream_quantize(
             )
         finally:
             bar(None, None)
+    # The KV cache's query moments go to their own file beside the checkpoint (qfp8.save_pretrained's).
+    kv_rounding = {name: calibrated.pop(name) for name in list(calibrated) if name.endswith(".k_rounding_hessian")}
     # k_scale / v_scale go out with the first tensor of their attention module.
     kv_scales: dict[str, list[str]] = {}
     for name in calibrated:
@@ -357,9 +360,13 @@ def stream_quantize(
     config["quantization_config"] = qconfig.build_quantization_config(quantized, ignored, kv_dtype)
     bar = _progress(sum(t.nbytes for t in out), progress)
     try:
-        shards = write_checkpoint(
-            dst, out, config, max_shard_size, carried_files(checkpoint.directory), on_tensor=lambda t: bar(t.nbytes)
-        )
+        with tempfile.TemporaryDirectory() as scratch:
+            extra = carried_files(checkpoint.directory)
+            if kv_rounding:
+                extra[KV_ROUNDING_FILE] = Path(scratch, KV_ROUNDING_FILE)
+                entries = [PlannedTensor(n, t.dtype, tuple(t.shape), lambda t=t: t) for n, t in kv_rounding.items()]
+                write_safetensors(extra[KV_ROUNDING_FILE], entries, metadata={"format": "pt"})
+            shards = write_checkpoint(dst, out, config, max_shard_size, extra, on_tensor=lambda t: bar(t.nbytes))
     finally:
         bar(None)
     return {

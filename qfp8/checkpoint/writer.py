@@ -30,7 +30,7 @@ from torch import nn
 
 from qfp8 import formats
 from qfp8.checkpoint import config as qconfig
-from qfp8.checkpoint.naming import CheckpointNames, split_rows
+from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames, split_rows
 from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, PlannedTensor, write_safetensors
 from qfp8.nn import QLinear
 from qfp8.nn.experts import QExperts, find_fused_experts
@@ -294,7 +294,8 @@ def write_checkpoint(
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, out.path_for(name))
         out.write_text("config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-        out.commit(stale=sorted(old - set(shard_names) - ({INDEX_NAME} if len(shards) > 1 else set())))
+        written = set(shard_names) | set(extra_files or {}) | ({INDEX_NAME} if len(shards) > 1 else set())
+        out.commit(stale=sorted(old - written))
     return shard_names
 
 
@@ -329,7 +330,7 @@ def previous_checkpoint_files(directory: Path) -> set[str]:
     """
     if not directory.is_dir():
         return set()
-    found = {p.name for p in directory.iterdir() if CHECKPOINT_FILE.match(p.name)}
+    found = {p.name for p in directory.iterdir() if CHECKPOINT_FILE.match(p.name) or p.name == KV_ROUNDING_FILE}
     index = directory / INDEX_NAME
     if index.is_file():
         found.add(INDEX_NAME)
@@ -407,6 +408,10 @@ def save_pretrained(
     A model ``qfp8.freeze`` would refuse (static scales or an accuracy mode not yet
     calibrated) is refused here too, before anything is written. Of the files
     already in ``directory``, only an older checkpoint's weights and index are replaced.
+
+    A calibrated FP8 KV cache's query second moments (compensated key rounding,
+    :mod:`qfp8.nn.kv_cache`) go to ``qfp8_kv_rounding.st``, which
+    :func:`qfp8.from_pretrained` reads and other loaders ignore.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_pretrained takes an nn.Module, got {type(model).__name__}")
@@ -438,5 +443,14 @@ def save_pretrained(
         if generation_config is not None and hasattr(generation_config, "to_json_string"):
             Path(scratch, "generation_config.json").write_text(generation_config.to_json_string())
         extra.update(carried_files(scratch))
+        rounding = {}
+        if getattr(model, "qfp8_kv_cache_dtype", None) is not None:
+            from qfp8.nn.kv_cache import k_rounding_state  # imports transformers
+
+            rounding = k_rounding_state(model)
+        if rounding:
+            extra[KV_ROUNDING_FILE] = Path(scratch, KV_ROUNDING_FILE)
+            entries = [_tensor_plan(name, tensor) for name, tensor in rounding.items()]
+            write_safetensors(extra[KV_ROUNDING_FILE], entries, metadata={"format": "pt"})
         write_checkpoint(directory, plan, config, max_shard_size, extra)
     return Path(directory)

@@ -116,3 +116,109 @@ def fp8_decode_attention(query, key_cache, value_cache, key_scale, value_scale, 
     check_decode_attention_args(query, key_cache, value_cache, key_scale, value_scale, mask)
     scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     return torch.ops.qfp8.fp8_decode_attention(query, key_cache, value_cache, key_scale, value_scale, mask, scaling)
+
+
+# ------------------------------------------------- compensated K rounding
+
+torch.library.define(
+    "qfp8::fp8_compensated_quantize",
+    "(Tensor states, Tensor scale, Tensor factor, Tensor order, ScalarType dtype) -> Tensor",
+)
+torch.library.register_fake("qfp8::fp8_compensated_quantize")(
+    lambda states, scale, factor, order, dtype: states.new_empty(states.shape, dtype=dtype)
+)
+
+
+def fp8_compensated_quantize_reference(states, scale, factor, order, dtype):
+    """``states`` ``[B, H, T, D]`` to FP8 codes of ``states / scale``, each row rounded with error feedback.
+
+    Channel by channel in ``order[h]`` (``[H, D]``), each value is rounded to
+    the nearest FP8 code (saturating) and its rounding error ``e`` is
+    subtracted from the channels not yet rounded, ``e * factor[h, t, u] /
+    factor[h, t, t]`` for the ``u``-th later one: ``factor`` (``[H, D, D]``,
+    upper triangular, in ``order``'s channel order) is the upper Cholesky
+    factor of ``H_h^-1`` for a weighting ``H_h`` of the channels, which makes
+    this the rounding of GPTQ (Frantar et al., 2022) applied to one row: it
+    keeps ``e^T H_h e`` small instead of each ``|e_i|``. The error of a
+    saturated value is taken against the saturated value (what lies beyond
+    the range is not fed forward), and a non-finite one feeds nothing
+    forward. ``scale``: 1 value, or ``B * H`` (per head).
+    """
+    batch, heads, tokens, dim = states.shape
+    x = states.to(torch.float32)
+    if tokens == 0:
+        return x.to(dtype)
+    s = scale.to(torch.float32).reshape((batch, heads, 1) if scale.numel() != 1 else (1, 1, 1))
+    fmax = torch.finfo(dtype).max
+    limit = s * fmax
+    index = order.to(torch.int64)[None, :, None, :].expand(batch, heads, tokens, dim)
+    x = x.gather(-1, index).clone()  # channels in rounding order
+    factor = factor.to(torch.float32)
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    for t in range(dim):
+        code = (x[..., t] / s).clamp(-fmax, fmax).to(dtype)
+        codes[..., t] = code.view(torch.uint8)
+        kept = torch.maximum(torch.minimum(x[..., t], limit), -limit)
+        error = (kept - code.to(torch.float32) * s) / factor[None, :, None, t, t]
+        error = torch.where(torch.isfinite(error), error, 0.0)
+        if t + 1 < dim:
+            x[..., t + 1 :] -= error[..., None] * factor[None, :, None, t, t + 1 :]
+    return torch.empty_like(codes).scatter_(-1, index, codes).view(dtype)
+
+
+torch.library.impl("qfp8::fp8_compensated_quantize", "CompositeExplicitAutograd")(fp8_compensated_quantize_reference)
+
+
+def _compensated_setup(ctx, inputs, output):
+    ctx.states_dtype = inputs[0].dtype
+
+
+def _compensated_backward(ctx, grad):
+    # Straight through, as for round to nearest (``x.to(fp8)``): a model trained or probed for gradients with
+    # the FP8 cache still reaches k_proj through the cached keys.
+    return grad.to(ctx.states_dtype), None, None, None, None
+
+
+torch.library.register_autograd(
+    "qfp8::fp8_compensated_quantize", _compensated_backward, setup_context=_compensated_setup
+)
+
+
+def rounding_factors(hessian: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(factor, order)`` for :func:`fp8_compensated_quantize` from a channel weighting ``hessian`` ``[H, D, D]``.
+
+    ``order``: each head's channels by decreasing weight (the heaviest are
+    rounded first, with the most channels left to take their error);
+    ``factor``: upper Cholesky factor of ``(H + damping * mean(diag H) * I)^-1``
+    in that order, float32. A channel of weight 0 gets weight 1 (its
+    rounding cannot matter).
+    """
+    h = hessian.detach().to(torch.float64).clone()
+    heads, dim = h.shape[0], h.shape[-1]
+    diagonal = torch.diagonal(h, dim1=-2, dim2=-1)
+    diagonal.copy_(torch.where(diagonal > 0, diagonal, 1.0))
+    order = torch.argsort(diagonal, dim=-1, descending=True)
+    h = h.gather(1, order[:, :, None].expand(heads, dim, dim)).gather(2, order[:, None, :].expand(heads, dim, dim))
+    eye = torch.eye(dim, dtype=h.dtype, device=h.device)
+    h = h + damping * torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)[:, None, None] * eye
+    factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    return factor.to(torch.float32).contiguous(), order.contiguous()
+
+
+def fp8_compensated_quantize(states, scale, factor, order, dtype):
+    """Checked call of ``torch.ops.qfp8.fp8_compensated_quantize`` (``ValueError`` naming the sizes)."""
+    if states.dim() != 4:
+        raise ValueError(f"fp8_compensated_quantize: states must be [B, H, T, D], got {list(states.shape)}")
+    batch, heads, _, dim = states.shape
+    if factor.shape != (heads, dim, dim) or order.shape != (heads, dim):
+        raise ValueError(
+            f"fp8_compensated_quantize: states {list(states.shape)} need factor [{heads}, {dim}, {dim}] and order "
+            f"[{heads}, {dim}], got {list(factor.shape)} and {list(order.shape)}"
+        )
+    if scale.numel() not in (1, batch * heads):
+        raise ValueError(
+            f"fp8_compensated_quantize: scale must have 1 or B * H = {batch * heads} values, got {scale.numel()}"
+        )
+    if dtype not in formats.FP8_DTYPES.values():
+        raise TypeError(f"fp8_compensated_quantize: dtype must be an FP8 dtype, got {dtype}")
+    return torch.ops.qfp8.fp8_compensated_quantize(states, scale, factor, order, dtype)

@@ -24,6 +24,23 @@ in the model's dtype. Scales are float32:
   again (a short first update, a cached prefix before a prompt); otherwise
   anything beyond the headroom saturates, never overflows.
 
+Compensated key rounding (``compensated_rounding=True``, the default): what
+attention does with a key is ``q . k``, so what its rounding error ``e``
+costs is ``q . e``, summed over the queries that will read it: ``e^T H e``
+with ``H = E[q q^T]``, the second moment of the queries of the key's head
+group (after RoPE, as attention sees them). :func:`qfp8.calibrate` measures
+``H`` per KV head (``k_rounding_hessian`` ``[H_kv, D, D]``, float32, on the
+attention module) and each key row is then rounded channel by channel with
+its error fed into the channels still to round
+(``torch.ops.qfp8.fp8_compensated_quantize``, GPTQ's rounding applied to one
+key): the same FP8 format and scales, attention unchanged, a smaller error
+where queries look. Queries are recorded by qfp8's attention function
+(:data:`FUSED_ATTENTION`, the default with sdpa attention); other attention
+implementations calibrate scales only and keep round-to-nearest. ``H`` is not
+part of the state dict (vLLM would refuse an unknown tensor):
+:func:`qfp8.save_pretrained` writes it to ``qfp8_kv_rounding.st`` (safetensors)
+beside the weights and :func:`qfp8.from_pretrained` reads it back.
+
 Optional key centering (``center_keys=True``): the first update's per-channel
 mean of K (``[B, H_kv, 1, D]``) is subtracted before quantizing and never added
 back. ``q . (k - mu) = q . k - q . mu`` shifts every score of a query by the same
@@ -64,6 +81,7 @@ layer at a time (never the whole cache):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import warnings
@@ -73,6 +91,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
 from qfp8 import formats
+from qfp8.library import attention as attention_ops
 from qfp8.nn.attention import PACKED_SDPA, packed_sdpa
 from qfp8.nn.qlinear import keep_buffer_dtypes
 
@@ -87,9 +106,62 @@ GROWTH_CHECK_TOKENS = 16
 # the cap, then every second, fourth, ... row: spread over all batches).
 SCALE_SEARCH_STEPS = 16
 SCALE_SEARCH_ROWS = 4096
+# Compensated key rounding: the query second moment gets this fraction of its mean diagonal added (GPTQ's
+# damping), which keeps the factorization stable when some directions are never seen.
+KV_ROUNDING_DAMPING = 0.01
+KV_ROUNDING_BUFFERS = ("k_rounding_hessian", "k_rounding_factor", "k_rounding_order")
 
 
 # ----------------------------------------------------------------- numerics
+
+
+def set_k_rounding(attention: nn.Module, hessian: torch.Tensor | None) -> None:
+    """Gives ``attention`` compensated key rounding for the query second moment ``hessian`` ``[H_kv, D, D]``
+    (None: round to nearest). Checks it: square, symmetric enough, finite, a nonnegative diagonal."""
+    if hessian is None:
+        for name in KV_ROUNDING_BUFFERS:
+            setattr(attention, name, None)
+        return
+    if hessian.dim() != 3 or hessian.shape[-1] != hessian.shape[-2]:
+        raise ValueError(f"k_rounding_hessian must be [H_kv, D, D], got {list(hessian.shape)}")
+    h = hessian.detach().to(torch.float32)
+    if not bool(torch.isfinite(h).all()) or bool((torch.diagonal(h, dim1=-2, dim2=-1) < 0).any()):
+        raise ValueError("k_rounding_hessian holds non-finite values or a negative diagonal")
+    factor, order = attention_ops.rounding_factors(h, KV_ROUNDING_DAMPING)
+    with torch.inference_mode(False):  # normal tensors even when calibrating under inference mode
+        attention.k_rounding_hessian = h.clone()
+        attention.k_rounding_factor = factor.clone()
+        attention.k_rounding_order = order.clone()
+
+
+def k_rounding_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``<attention>.k_rounding_hessian`` of each FP8 KV-cache attention module that has one: what a state dict
+    leaves out (see the module docstring); :func:`load_k_rounding` puts it back."""
+    return {
+        f"{name}.k_rounding_hessian": module.k_rounding_hessian.detach().to("cpu", torch.float32).contiguous()
+        for name, module in model.named_modules()
+        if isinstance(module, Float8KVAttentionMixin) and module.k_rounding_hessian is not None
+    }
+
+
+def load_k_rounding(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Sets ``<attention>.k_rounding_hessian`` entries of ``tensors`` (as ``save_pretrained`` writes them) on
+    ``model``'s FP8 KV-cache attention modules; ``ValueError`` naming ``source`` and the entry otherwise."""
+    attentions = attention_modules(model)
+    for key, value in tensors.items():
+        name, _, field = key.rpartition(".")
+        attention = attentions.get(name)
+        if field != "k_rounding_hessian" or not isinstance(attention, Float8KVAttentionMixin):
+            raise ValueError(f"{source}: {key!r} names no FP8 KV-cache attention module's k_rounding_hessian")
+        heads = getattr(getattr(attention, "config", None), "num_key_value_heads", None)
+        dim = getattr(attention, "head_dim", None)
+        if heads is not None and dim is not None and tuple(value.shape) != (heads, dim, dim):
+            raise ValueError(f"{source}: {key!r} has shape {list(value.shape)}, the layer needs {[heads, dim, dim]}")
+        device = attention.k_proj.weight.device if hasattr(attention.k_proj, "weight") else None
+        try:
+            set_k_rounding(attention, value.to(device=device))
+        except ValueError as error:
+            raise ValueError(f"{source}: {key!r}: {error}") from None
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +234,14 @@ class _Float8LayerMixin:
         k_scale, v_scale = self._scales()
         if self.key_mean is not None:
             key_states = key_states.to(torch.float32) - self.key_mean
-        return quantize_kv(key_states, k_scale, self.fp8_dtype), quantize_kv(value_states, v_scale, self.fp8_dtype)
+        factor = self.attention.k_rounding_factor if self.attention.qfp8_kv_compensate else None
+        if factor is None:
+            keys = quantize_kv(key_states, k_scale, self.fp8_dtype)
+        else:
+            keys = attention_ops.fp8_compensated_quantize(
+                key_states, k_scale, factor, self.attention.k_rounding_order, self.fp8_dtype
+            )
+        return keys, quantize_kv(value_states, v_scale, self.fp8_dtype)
 
     def _scales_may_grow(self) -> bool:
         return (self.attention.k_scale is None and self.key_scale is not None) or (
@@ -519,6 +598,7 @@ class Float8KVAttentionMixin:
     qfp8_kv_dtype: torch.dtype
     qfp8_center_keys: bool
     qfp8_kv_scale_search: bool
+    qfp8_kv_compensate: bool
     qfp8_kv_calibrating: bool
 
     def __reduce_ex__(self, protocol):
@@ -530,7 +610,7 @@ class Float8KVAttentionMixin:
     def _apply(self, fn, recurse=True):
         # Scales stay float32 when the model's dtype changes (model.to(torch.bfloat16) casts every floating
         # buffer); only their device follows. The contract: scales are float32 in memory and on disk.
-        with keep_buffer_dtypes(self, ("k_scale", "v_scale")):
+        with keep_buffer_dtypes(self, ("k_scale", "v_scale", *KV_ROUNDING_BUFFERS)):
             super()._apply(fn, recurse)
         return self
 
@@ -539,16 +619,19 @@ class Float8KVAttentionMixin:
         self.qfp8_kv_calibrating = False
         self._kv_amax = None
         self._kv_rows = ([], [])
+        self._query_moment = None
 
     def start_calibration(self) -> None:
         self.qfp8_kv_calibrating = True
         self._kv_amax: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kv_rows: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._kv_row_stride = 1
+        self._query_moment: tuple[torch.Tensor, int] | None = None  # (sum of q q^T per KV head, rows)
 
     def end_calibration(self) -> None:
         self.qfp8_kv_calibrating = False
         if self._kv_amax is None:
+            self._query_moment = None
             return  # never ran: stays dynamic
         k_amax, v_amax = self._kv_amax
         # Calibration may run under torch.inference_mode(); scales made there would be inference tensors, which a
@@ -559,9 +642,34 @@ class Float8KVAttentionMixin:
             if self.qfp8_kv_scale_search and self._kv_rows[0]:
                 k_scale = search_scale(torch.cat(self._kv_rows[0]), k_scale, self.qfp8_kv_dtype)
                 v_scale = search_scale(torch.cat(self._kv_rows[1]), v_scale, self.qfp8_kv_dtype)
+            hessian = None
+            if self.qfp8_kv_compensate and self._query_moment is not None:
+                moment, rows = self._query_moment
+                hessian = (moment / rows).to(torch.float32)
         self.k_scale, self.v_scale = k_scale, v_scale
+        set_k_rounding(self, hessian)
         self._kv_amax = None
         self._kv_rows = ([], [])
+        self._query_moment = None
+
+    def _record_queries(self, query: torch.Tensor) -> None:
+        """Adds ``q q^T`` of every finite query row ``[B, Hq, T, D]`` to its KV head's sum (float64)."""
+        batch, heads, tokens, dim = query.shape
+        groups = getattr(self, "num_key_value_groups", None)
+        if not groups or heads % groups or query.numel() == 0:
+            return
+        kv_heads = heads // groups
+        # Query head j reads KV head j // (heads / kv_heads) (transformers' repeat_kv).
+        rows = query.detach().to(torch.float64).reshape(batch, kv_heads, -1, tokens, dim)
+        rows = rows.transpose(0, 1).reshape(kv_heads, -1, dim)
+        finite = torch.isfinite(rows).all(-1, keepdim=True)
+        rows = torch.where(finite, rows, 0.0)
+        moment = rows.transpose(1, 2) @ rows
+        count = int(finite.sum()) // kv_heads
+        if self._query_moment is not None:
+            moment, count = moment + self._query_moment[0], count + self._query_moment[1]
+        if count > 0:
+            self._query_moment = (moment, count)
 
     def _record_kv_amax(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.numel() == 0 or value_states.numel() == 0:
@@ -744,6 +852,8 @@ def _fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     a one-token step packed as in :mod:`qfp8.nn.attention`.
     """
     layer = kwargs.pop("qfp8_kv_layer", None)
+    if getattr(module, "qfp8_kv_calibrating", False) and module.qfp8_kv_compensate:
+        module._record_queries(query)
     if layer is not None and key.dtype in KV_CACHE_DTYPES:
         mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
         if query.shape[2] == 1 and not dropout and kwargs.get("softcap") is None and mask_ok:
@@ -761,6 +871,23 @@ def _register_fused_attention() -> None:
 
     AttentionInterface.register(FUSED_ATTENTION, _fused_sdpa)
     AttentionMaskInterface.register(FUSED_ATTENTION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def fused_attention_on(config):
+    """Within the block, ``config`` (of an sdpa model) selects :data:`FUSED_ATTENTION`, which records the queries
+    compensated key rounding needs: for layers calibrated on their own, outside a model that
+    :func:`enable_fp8_kv_cache` switched. Other attention implementations are left as they are."""
+    before = getattr(config, "_attn_implementation", None)
+    if before not in ("sdpa", PACKED_SDPA):
+        yield
+        return
+    _register_fused_attention()
+    config._attn_implementation = FUSED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def _take_scale(attention: nn.Module, scale_name: str, state_dict, key: str) -> None:
@@ -817,6 +944,7 @@ def enable_fp8_kv_cache(
     center_keys: bool = False,
     fused_attention: bool = True,
     scale_search: bool = True,
+    compensated_rounding: bool = True,
 ) -> list[str]:
     """Stores the KV cache of every Llama-family attention module of ``model`` in FP8 (in place).
 
@@ -827,6 +955,11 @@ def enable_fp8_kv_cache(
     ``m * amax / fmax`` with ``m`` chosen in ``[1, 2)`` for the least FP8
     error on the calibration K/V (see the module docstring); False keeps
     ``amax / fmax``.
+    ``compensated_rounding``: :func:`qfp8.calibrate` also measures each
+    layer's query second moment and keys are rounded to keep the error
+    queries see small (see the module docstring; needs ``fused_attention``
+    during calibration). False: round to nearest (a moment already measured
+    is kept, unused, until then).
     ``fused_attention``: when the model uses transformers' ``"sdpa"``
     attention (or qfp8's :data:`~qfp8.nn.attention.PACKED_SDPA`), switch it
     to :data:`FUSED_ATTENTION`, whose decode steps read the FP8 cache in
@@ -847,17 +980,21 @@ def enable_fp8_kv_cache(
                 module.k_scale = module.v_scale = None
             module.qfp8_center_keys = center_keys
             module.qfp8_kv_scale_search = scale_search
+            module.qfp8_kv_compensate = compensated_rounding
             module.qfp8_kv_enabled = True
             continue
         module.__class__ = _with_mixin(type(module))
         module.qfp8_kv_dtype = dtype
         module.qfp8_center_keys = center_keys
         module.qfp8_kv_scale_search = scale_search
+        module.qfp8_kv_compensate = compensated_rounding
         module.qfp8_kv_calibrating = False
         module.qfp8_kv_enabled = True
         module._kv_amax = None
         module.register_buffer("k_scale", None)
         module.register_buffer("v_scale", None)
+        for name in KV_ROUNDING_BUFFERS:  # not in the state dict: see the module docstring
+            module.register_buffer(name, None, persistent=False)
         module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
         module.register_load_state_dict_pre_hook(_attention_load_pre_hook)
     if not getattr(model, "_qfp8_kv_load_hook", False):

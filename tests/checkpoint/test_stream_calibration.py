@@ -127,6 +127,9 @@ def test_streamed_calibration_equals_in_memory(tiny, tmp_path, arch, kwargs):
     loaded = qfp8.from_pretrained(tmp_path / "stream")
     if kv:
         assert torch.equal(loaded.model.layers[1].self_attn.k_scale, model.model.layers[1].self_attn.k_scale)
+        # and the query moments of compensated key rounding, written beside the checkpoint
+        for ours, theirs in zip(model.model.layers, loaded.model.layers, strict=True):
+            assert torch.equal(ours.self_attn.k_rounding_hessian, theirs.self_attn.k_rounding_hessian)
     if kv:
         # kv_cache_scheme cannot say e5m2: qfp8 names a non-e4m3fn cache in qfp8_kv_cache_dtype.
         assert qc.get("qfp8_kv_cache_dtype") == (None if kv == "float8_e4m3fn" else kv)

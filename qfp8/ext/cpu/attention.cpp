@@ -11,7 +11,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <algorithm>
+#include <cmath>
 #include <limits>
+#include <vector>
 
 #include "bindings.h"
 #include "kernel.h"
@@ -89,7 +95,72 @@ at::Tensor fp8_decode_attention(const at::Tensor& query, const at::Tensor& key_c
   return out.to(query.scalar_type());
 }
 
+// qfp8::fp8_compensated_quantize (reference and meaning in qfp8/library/attention.py): each row
+// [B, H, T, D] of states / scale rounded to FP8 channel by channel in order[h], every rounding error fed
+// into the channels still to round through the upper triangular factor[h]. One row is D^2 / 2 multiply-adds.
+template <typename Fp8>
+void compensated_rows(const float* x, const float* scale, bool per_head, const float* factor, const int64_t* order,
+                      uint8_t* out, int64_t H, int64_t T, int64_t D, int64_t begin, int64_t end) {
+  const float fmax = static_cast<float>(std::numeric_limits<Fp8>::max());
+  std::vector<float> row(D);
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t bh = r / T, h = bh % H;
+    const float s = scale[per_head ? bh : 0];
+    const float limit = s * fmax;
+    const float* src = x + r * D;
+    const int64_t* ord = order + h * D;
+    const float* f = factor + h * D * D;
+    uint8_t* dst = out + r * D;
+    for (int64_t t = 0; t < D; ++t) row[t] = src[ord[t]];
+    for (int64_t t = 0; t < D; ++t) {
+      const float v = std::min(std::max(row[t] / s, -fmax), fmax);  // NaN passes through as NaN
+      const Fp8 code(v);
+      dst[ord[t]] = code.x;
+      const float kept = std::min(std::max(row[t], -limit), limit);
+      float error = (kept - static_cast<float>(code) * s) / f[t * D + t];
+      if (!std::isfinite(error)) error = 0.0f;
+      const float* ft = f + t * D;
+      for (int64_t u = t + 1; u < D; ++u) row[u] -= error * ft[u];
+    }
+  }
+}
+
+at::Tensor fp8_compensated_quantize(const at::Tensor& states, const at::Tensor& scale, const at::Tensor& factor,
+                                    const at::Tensor& order, c10::ScalarType dtype) {
+  const char* op = "qfp8.fp8_compensated_quantize";
+  TORCH_CHECK(states.dim() == 4, op, ": states must be [B, H, T, D], got ", states.sizes());
+  const int64_t B = states.size(0), H = states.size(1), T = states.size(2), D = states.size(3);
+  TORCH_CHECK(factor.dim() == 3 && factor.size(0) == H && factor.size(1) == D && factor.size(2) == D, op,
+              ": factor must be [H, D, D] = [", H, ", ", D, ", ", D, "], got ", factor.sizes());
+  TORCH_CHECK(order.dim() == 2 && order.size(0) == H && order.size(1) == D, op, ": order must be [H, D] = [", H, ", ",
+              D, "], got ", order.sizes());
+  TORCH_CHECK(scale.numel() == 1 || scale.numel() == B * H, op, ": scale must have 1 or B * H = ", B * H,
+              " elements, got ", scale.numel());
+  TORCH_CHECK(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2, op,
+              ": dtype must be float8_e4m3fn or float8_e5m2, got ", dtype);
+  const at::Tensor x = states.to(at::kFloat).contiguous();
+  const at::Tensor s = scale.to(at::kFloat).contiguous();
+  const at::Tensor f = factor.to(at::kFloat).contiguous();
+  const at::Tensor o = order.to(at::kLong).contiguous();
+  const int64_t* ord = o.data_ptr<int64_t>();
+  for (int64_t i = 0; i < H * D; ++i)  // a bad order would write outside its row
+    TORCH_CHECK(ord[i] >= 0 && ord[i] < D, op, ": order holds ", ord[i], ", outside [0, ", D, ")");
+  at::Tensor out = at::empty({B, H, T, D}, states.options().dtype(at::kByte));
+  const bool per_head = s.numel() != 1;
+  auto run = dtype == at::kFloat8_e4m3fn ? &compensated_rows<c10::Float8_e4m3fn> : &compensated_rows<c10::Float8_e5m2>;
+  // Rows are independent; a decode step has B * H of them, too few to be worth threads.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, D * D));
+  at::parallel_for(0, B * H * T, grain, [&](int64_t begin, int64_t end) {
+    run(x.data_ptr<float>(), s.data_ptr<float>(), per_head, f.data_ptr<float>(), ord, out.data_ptr<uint8_t>(), H, T,
+        D, begin, end);
+  });
+  return out.view(dtype);
+}
+
 }  // namespace
 }  // namespace qfp8
 
-TORCH_LIBRARY_IMPL(qfp8, CPU, m) { m.impl("fp8_decode_attention", &qfp8::fp8_decode_attention); }
+TORCH_LIBRARY_IMPL(qfp8, CPU, m) {
+  m.impl("fp8_decode_attention", &qfp8::fp8_decode_attention);
+  m.impl("fp8_compensated_quantize", &qfp8::fp8_compensated_quantize);
+}
