@@ -184,6 +184,24 @@ torch.library.register_autograd(
 )
 
 
+_COMPENSATED_CPU_KERNEL: bool | None = None
+
+
+def compensated_cpu_kernel() -> bool:
+    """Whether qfp8's extension gives ``fp8_compensated_quantize`` a CPU kernel (cached after the first call).
+
+    The FP8 KV cache uses compensated rounding only then: the reference takes
+    ``D`` sequential steps of small tensor ops per call, more than a decode
+    step can afford (no GPU kernel exists yet).
+    """
+    global _COMPENSATED_CPU_KERNEL
+    if _COMPENSATED_CPU_KERNEL is None:
+        _COMPENSATED_CPU_KERNEL = torch._C._dispatch_has_kernel_for_dispatch_key(
+            "qfp8::fp8_compensated_quantize", "CPU"
+        )
+    return _COMPENSATED_CPU_KERNEL
+
+
 def rounding_factors(hessian: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(factor, order)`` for :func:`fp8_compensated_quantize` from a channel weighting ``hessian`` ``[H, D, D]``.
 

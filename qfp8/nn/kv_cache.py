@@ -34,7 +34,8 @@ attention module) and each key row is then rounded channel by channel with
 its error fed into the channels still to round
 (``torch.ops.qfp8.fp8_compensated_quantize``, GPTQ's rounding applied to one
 key): the same FP8 format and scales, attention unchanged, a smaller error
-where queries look. Queries are recorded by qfp8's attention function
+where queries look. Only on CPU with qfp8's extension (its kernel); elsewhere
+keys are rounded to nearest. Queries are recorded by qfp8's attention function
 (:data:`FUSED_ATTENTION`, the default with sdpa attention); other attention
 implementations calibrate scales only and keep round-to-nearest. ``H`` is not
 part of the state dict (vLLM would refuse an unknown tensor):
@@ -128,6 +129,7 @@ def set_k_rounding(attention: nn.Module, hessian: torch.Tensor | None) -> None:
     if not bool(torch.isfinite(h).all()) or bool((torch.diagonal(h, dim1=-2, dim2=-1) < 0).any()):
         raise ValueError("k_rounding_hessian holds non-finite values or a negative diagonal")
     factor, order = attention_ops.rounding_factors(h, KV_ROUNDING_DAMPING)
+    attention_ops.compensated_cpu_kernel()  # known before any compiled step reads it
     with torch.inference_mode(False):  # normal tensors even when calibrating under inference mode
         attention.k_rounding_hessian = h.clone()
         attention.k_rounding_factor = factor.clone()
@@ -235,7 +237,7 @@ class _Float8LayerMixin:
         if self.key_mean is not None:
             key_states = key_states.to(torch.float32) - self.key_mean
         factor = self.attention.k_rounding_factor if self.attention.qfp8_kv_compensate else None
-        if factor is None:
+        if factor is None or not (key_states.is_cpu and attention_ops.compensated_cpu_kernel()):
             keys = quantize_kv(key_states, k_scale, self.fp8_dtype)
         else:
             keys = attention_ops.fp8_compensated_quantize(

@@ -22,6 +22,9 @@ from qfp8.library import cpu
 from qfp8.nn import kv_cache as kvc
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+needs_kernel = pytest.mark.skipif(
+    not ops.compensated_cpu_kernel(), reason="the cache compensates only with qfp8's CPU kernel (extension not built)"
+)
 DTYPE_IDS = ["e4m3", "e5m2"]
 
 
@@ -247,6 +250,7 @@ def _key_logit_error(model, prompt, compensate: bool) -> float:
     return float(logits[..., causal].square().sum())
 
 
+@needs_kernel
 def test_held_out_attention_logit_error_shrinks(base_model):
     model = _calibrated(base_model)
     prompt = _tokens(20)  # not seen in calibration
@@ -342,6 +346,7 @@ def test_generation_dynamic_and_static_caches(base_model, compiled):
     assert formats.sqnr(reference, fp8) > 25  # measured 33.9
 
 
+@needs_kernel
 def test_dynamic_scales_with_a_measured_moment(base_model):
     # A checkpoint whose scales are missing falls back to dynamic per-head scales; the rounding still applies.
     model = _calibrated(base_model)
@@ -464,3 +469,21 @@ def test_gradients_pass_straight_through_to_the_keys(base_model):
     assert grads[True] is not None and float(grads[True].abs().max()) > 0
     cosine = torch.nn.functional.cosine_similarity(grads[True].flatten(), grads[False].flatten(), dim=0)
     assert float(cosine) > 0.95, float(cosine)
+
+
+def test_without_the_cpu_kernel_keys_round_to_nearest(base_model, monkeypatch):
+    # The reference takes D sequential steps per call, too slow for decode: without qfp8's CPU kernel (a build
+    # without the extension, or any other device) the cache rounds to nearest.
+    model = _calibrated(base_model)
+    monkeypatch.setattr(ops, "_COMPENSATED_CPU_KERNEL", False)
+    cache = DynamicCache(config=model.config)
+    prompt = _tokens(27)
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+    reference = DynamicCache(config=model.config)
+    kvc.set_fp8_kv_cache_enabled(model, False)
+    with torch.no_grad():
+        model(prompt, cache=reference, use_cache=True)
+    attention = model.model.layers[0].self_attn
+    expected = kvc.quantize_kv(reference.layers[0].keys, attention.k_scale, torch.float8_e4m3fn)
+    assert torch.equal(cache.layers[0].keys.view(torch.uint8), expected.view(torch.uint8))
