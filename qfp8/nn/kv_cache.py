@@ -118,7 +118,7 @@ KV_ROUNDING_BUFFERS = ("k_rounding_hessian", "k_rounding_factor", "k_rounding_or
 
 def set_k_rounding(attention: nn.Module, hessian: torch.Tensor | None) -> None:
     """Gives ``attention`` compensated key rounding for the query second moment ``hessian`` ``[H_kv, D, D]``
-    (None: round to nearest). Checks it: square, symmetric enough, finite, a nonnegative diagonal."""
+    (None: round to nearest). Checks it: ``[H_kv, D, D]``, finite, a nonnegative diagonal."""
     if hessian is None:
         for name in KV_ROUNDING_BUFFERS:
             setattr(attention, name, None)
@@ -236,12 +236,14 @@ class _Float8LayerMixin:
         k_scale, v_scale = self._scales()
         if self.key_mean is not None:
             key_states = key_states.to(torch.float32) - self.key_mean
-        factor = self.attention.k_rounding_factor if self.attention.qfp8_kv_compensate else None
+        # (getattr: a module pickled before compensated rounding existed has neither)
+        attention = self.attention
+        factor = getattr(attention, "k_rounding_factor", None) if getattr(attention, "qfp8_kv_compensate", 0) else None
         if factor is None or not (key_states.is_cpu and attention_ops.compensated_cpu_kernel()):
             keys = quantize_kv(key_states, k_scale, self.fp8_dtype)
         else:
             keys = attention_ops.fp8_compensated_quantize(
-                key_states, k_scale, factor, self.attention.k_rounding_order, self.fp8_dtype
+                key_states, k_scale, factor, attention.k_rounding_order, self.fp8_dtype
             )
         return keys, quantize_kv(value_states, v_scale, self.fp8_dtype)
 
@@ -854,7 +856,7 @@ def _fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     a one-token step packed as in :mod:`qfp8.nn.attention`.
     """
     layer = kwargs.pop("qfp8_kv_layer", None)
-    if getattr(module, "qfp8_kv_calibrating", False) and module.qfp8_kv_compensate:
+    if getattr(module, "qfp8_kv_calibrating", False) and getattr(module, "qfp8_kv_compensate", False):
         module._record_queries(query)
     if layer is not None and key.dtype in KV_CACHE_DTYPES:
         mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
