@@ -74,10 +74,11 @@ def test_compensated_rounding_beats_round_to_nearest_in_the_weighted_error(dtype
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("per_head", [False, True], ids=["tensor-scale", "head-scale"])
-def test_cpu_kernel_matches_the_reference_bit_for_bit(dtype, per_head):
+@pytest.mark.parametrize("tokens", [13, 40], ids=["13-tokens", "40-tokens"])  # groups of 8, with and without a tail
+def test_cpu_kernel_matches_the_reference_bit_for_bit(dtype, per_head, tokens):
     if cpu.cpu_kernel_isa() is None:
         pytest.skip("qfp8's C++ extension is not built here: the op runs the reference itself")
-    x = _states(seed=2)
+    x = _states(shape=(2, 3, tokens, 32), seed=2)
     x[0, 1, 3, 5] = float("nan")
     x[1, 2, 7, 0] = float("inf")
     x[1, 0, 9, 4] = -1e6  # saturates
@@ -96,6 +97,11 @@ def test_cpu_kernel_matches_the_reference_bit_for_bit(dtype, per_head):
     fmax = torch.finfo(dtype).max
     assert float(values[1, 2, 7, 0]) == fmax and float(values[1, 0, 9, 4]) == -fmax
     assert bool(torch.isfinite(values[1, 2, 7, 1:]).all()) and bool(torch.isfinite(values[1, 0, 9]).all())
+    # one token (a decode step) and a few (a draft) take the one-row path
+    for short in (x[:, :, :1], x[:, :, 8:11]):
+        kernel = torch.ops.qfp8.fp8_compensated_quantize(short, scale, factor, order, dtype)
+        reference = ops.fp8_compensated_quantize_reference(short, scale, factor, order, dtype)
+        assert torch.equal(kernel.view(torch.uint8), reference.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
