@@ -46,6 +46,7 @@ import torch
 
 from qfp8 import formats
 from qfp8.checkpoint import config as qconfig
+from qfp8.checkpoint.naming import KV_ROUNDING_FILE
 from qfp8.checkpoint.safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle_message
 from qfp8.nn.scheme import QuantizationScheme
 
@@ -190,7 +191,7 @@ def resolve(path: str | os.PathLike) -> Path:
             # Honours HF_HUB_OFFLINE (then only the local cache is used).
             return Path(
                 huggingface_hub.snapshot_download(
-                    text, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+                    text, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", KV_ROUNDING_FILE]
                 )
             )
         except Exception as error:  # the hub's errors differ between versions; re-raise as one

@@ -94,3 +94,24 @@ def test_unknown_repo_id_raises_naming_it(hub_cache):
     assert "outgoing traffic has been disabled" in str(error.value)  # huggingface_hub's offline answer
     with pytest.raises(FileNotFoundError, match="qfp8-test/not-in-cache"):
         main(["quantize", "qfp8-test/not-in-cache", str(hub_cache / "out"), "--no-progress"])
+
+
+def test_hub_download_includes_the_kv_rounding_file(monkeypatch):
+    # A calibrated FP8 KV cache's query moments travel beside the weights (qfp8_kv_rounding.st): a Hub
+    # download must fetch that file too, or the model rounds its keys to nearest without a word.
+    import fnmatch
+
+    from qfp8.checkpoint.naming import KV_ROUNDING_FILE
+    from qfp8.checkpoint.readers import resolve
+
+    asked = {}
+
+    def snapshot_download(repo_id, allow_patterns):
+        asked["patterns"] = allow_patterns
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    with pytest.raises(FileNotFoundError, match="could not be resolved"):
+        resolve("qfp8-test/tiny-fp8")
+    assert any(fnmatch.fnmatch(KV_ROUNDING_FILE, pattern) for pattern in asked["patterns"])
+    assert any(fnmatch.fnmatch("model.safetensors", pattern) for pattern in asked["patterns"])
