@@ -290,10 +290,6 @@ def test_loading_peak_rss_is_below_checkpoint_size(tiny, tmp_path, rss_reader):
     assert figures["after_forward"] <= 1.3 * size + 30e6  # every weight page touched once
 
 
-@pytest.mark.skipif(
-    not os.path.exists(os.path.join(os.path.dirname(qfp8.__file__), "nn", "kv_cache.py")),
-    reason="qfp8/nn/kv_cache.py (FP8 KV cache) has not landed in this tree yet",
-)
 def test_kv_cache_scales_round_trip(tiny, tmp_path, x):
     model = tiny.model()
     qfp8.quantize(model, kv_cache="float8_e4m3fn")
