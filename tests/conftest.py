@@ -31,3 +31,23 @@ def rss_reader() -> str:
         "        if line.startswith(field):\n"
         "            return int(line.split()[1]) * 1024\n"
     )
+
+
+def greedy(model, prompt, cache, steps, compiled=False):
+    """Eager prefill, then ``steps`` greedy decode steps (compiled with fullgraph if asked)."""
+    with torch.no_grad():
+        logits = model(prompt, cache=cache, use_cache=True).logits
+        token = logits[:, -1:].argmax(-1)
+
+        def step(token, position):
+            return model(token, cache=cache, position_ids=position, use_cache=True).logits
+
+        step_fn = torch.compile(step, fullgraph=True) if compiled else step
+        tokens, all_logits = [token], []
+        for i in range(steps):
+            position = torch.full((prompt.shape[0], 1), prompt.shape[1] + i)
+            logits = step_fn(token, position)
+            all_logits.append(logits)
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(token)
+    return torch.cat(tokens, 1), torch.cat(all_logits, 1)

@@ -14,6 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 import qfp8
 from qfp8 import formats
 from qfp8.nn import kv_cache as kvc
+from tests.conftest import greedy
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 DTYPE_IDS = ["e4m3", "e5m2"]
@@ -42,26 +43,6 @@ def base_model():
 @pytest.fixture
 def prompt():
     return torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
-
-
-def _greedy(model, prompt, cache, steps, compiled=False):
-    """Eager prefill, then ``steps`` greedy decode steps (compiled with fullgraph if asked)."""
-    with torch.no_grad():
-        logits = model(prompt, cache=cache, use_cache=True).logits
-        token = logits[:, -1:].argmax(-1)
-
-        def step(token, position):
-            return model(token, cache=cache, position_ids=position, use_cache=True).logits
-
-        step_fn = torch.compile(step, fullgraph=True) if compiled else step
-        tokens, all_logits = [token], []
-        for i in range(steps):
-            position = torch.full((prompt.shape[0], 1), prompt.shape[1] + i)
-            logits = step_fn(token, position)
-            all_logits.append(logits)
-            token = logits[:, -1:].argmax(-1)
-            tokens.append(token)
-    return torch.cat(tokens, 1), torch.cat(all_logits, 1)
 
 
 # ------------------------------------------------------------------ numerics
@@ -188,12 +169,12 @@ def test_generation_static_and_dynamic_caches(base_model, prompt, compiled):
     model = copy.deepcopy(base_model)
     kvc.enable_fp8_kv_cache(model)
     steps = 5
-    dynamic_tokens, dynamic_logits = _greedy(model, prompt, DynamicCache(config=model.config), steps)
+    dynamic_tokens, dynamic_logits = greedy(model, prompt, DynamicCache(config=model.config), steps)
     static_cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps + 3)
     torch.compiler.reset()
     torch._dynamo.utils.counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        static_tokens, static_logits = _greedy(model, prompt, static_cache, steps, compiled=compiled)
+        static_tokens, static_logits = greedy(model, prompt, static_cache, steps, compiled=compiled)
     assert isinstance(static_cache.layers[0], kvc.Float8StaticLayer)
     assert static_cache.layers[0].keys.dtype == torch.float8_e4m3fn
     # Same per-head scales and FP8 codes: dynamic and static caches agree (float rounding of attention aside).
@@ -202,7 +183,7 @@ def test_generation_static_and_dynamic_caches(base_model, prompt, compiled):
     if compiled:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     # and the FP8 model generates like the unquantized one
-    reference_tokens, reference_logits = _greedy(base_model, prompt, DynamicCache(config=base_model.config), steps)
+    reference_tokens, reference_logits = greedy(base_model, prompt, DynamicCache(config=base_model.config), steps)
     assert formats.sqnr(reference_logits, dynamic_logits) > 20
 
 
@@ -339,8 +320,8 @@ def test_calibrated_scales_save_and_reload(base_model, prompt):
     assert not any("rounding" in key for key in state)
     kvc.load_k_rounding(reloaded, kvc.k_rounding_state(model), "test")
     assert torch.equal(reloaded.model.layers[1].self_attn.v_scale, attention.v_scale)
-    tokens, logits = _greedy(model, prompt, DynamicCache(config=model.config), 3)
-    tokens_reloaded, logits_reloaded = _greedy(reloaded, prompt, DynamicCache(config=model.config), 3)
+    tokens, logits = greedy(model, prompt, DynamicCache(config=model.config), 3)
+    tokens_reloaded, logits_reloaded = greedy(reloaded, prompt, DynamicCache(config=model.config), 3)
     assert torch.equal(logits, logits_reloaded)
 
     # 0-dim scales (vLLM "fp8" checkpoints) load as [1]
@@ -363,7 +344,7 @@ def test_whole_model_pickles_in_a_fresh_process(base_model, prompt, tmp_path):
     with qfp8.calibrate(model):
         model(prompt, use_cache=False)
     qfp8.freeze(model)
-    _, logits = _greedy(model, prompt, DynamicCache(config=model.config), 3)
+    _, logits = greedy(model, prompt, DynamicCache(config=model.config), 3)
     torch.save({"model": model, "prompt": prompt}, tmp_path / "model.pt")
     script = f"""
 import sys, torch
@@ -416,9 +397,9 @@ def test_missing_scale_falls_back_to_dynamic_with_one_warning(base_model, prompt
     assert cache.layers[0].scale_nbytes() == 2 * 2 * 4  # only the dynamic K scale is in use
     # Decode steps read the cache with one static and one per-head scale (the fused kernel takes them mixed):
     # the same tokens and logits as the dequantize-then-SDPA path.
-    tokens, logits = _greedy(reloaded, prompt, DynamicCache(config=reloaded.config), steps=3)
+    tokens, logits = greedy(reloaded, prompt, DynamicCache(config=reloaded.config), steps=3)
     kvc.enable_fp8_kv_cache(reloaded, fused_attention=False)
-    unfused_tokens, unfused_logits = _greedy(reloaded, prompt, DynamicCache(config=reloaded.config), steps=3)
+    unfused_tokens, unfused_logits = greedy(reloaded, prompt, DynamicCache(config=reloaded.config), steps=3)
     assert torch.equal(tokens, unfused_tokens)
     torch.testing.assert_close(logits, unfused_logits, rtol=1e-4, atol=1e-4)
 

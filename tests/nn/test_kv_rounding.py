@@ -20,6 +20,7 @@ from qfp8 import formats
 from qfp8.library import attention as ops
 from qfp8.library import cpu
 from qfp8.nn import kv_cache as kvc
+from tests.conftest import greedy
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 needs_kernel = pytest.mark.skipif(
@@ -228,6 +229,18 @@ def test_calibration_measures_each_kv_heads_query_moment(base_model):
     assert not any("rounding" in key for key in model.state_dict())  # not a checkpoint tensor (vLLM)
 
 
+def _first_layer_keys(model, prompt):
+    """The first layer's FP8 cache layer, and the float keys the same prompt gives it without the FP8 cache
+    (its inputs are the same either way; later layers' are not)."""
+    cache, reference = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+        kvc.set_fp8_kv_cache_enabled(model, False)
+        model(prompt, cache=reference, use_cache=True)
+        kvc.set_fp8_kv_cache_enabled(model, True)
+    return cache.layers[0], reference.layers[0].keys
+
+
 def _key_logit_error(model, prompt, compensate: bool) -> float:
     """The held-out attention-logit error of the first layer's cached keys (later layers see inputs that the
     first one's cache already changed): sum of (q . e)^2 over causal (query, key) pairs and query heads, float64."""
@@ -271,18 +284,11 @@ def test_compensation_off_rounds_to_nearest(base_model):
     assert model.model.layers[0].self_attn.k_rounding_hessian is None
     model = _calibrated(base_model)
     kvc.enable_fp8_kv_cache(model, compensated_rounding=False)  # measured moment kept, not used
-    cache = DynamicCache(config=model.config)
-    prompt = _tokens(21)
-    with torch.no_grad():
-        model(prompt, cache=cache, use_cache=True)
-    reference = DynamicCache(config=model.config)
-    kvc.set_fp8_kv_cache_enabled(model, False)
-    with torch.no_grad():
-        model(prompt, cache=reference, use_cache=True)
-    attention = model.model.layers[0].self_attn  # the first layer: both runs give it the same inputs
+    layer, keys = _first_layer_keys(model, _tokens(21))
+    attention = model.model.layers[0].self_attn
     assert attention.k_rounding_hessian is not None
-    expected = kvc.quantize_kv(reference.layers[0].keys, attention.k_scale, torch.float8_e4m3fn)
-    assert torch.equal(cache.layers[0].keys.view(torch.uint8), expected.view(torch.uint8))
+    expected = kvc.quantize_kv(keys, attention.k_scale, torch.float8_e4m3fn)
+    assert torch.equal(layer.keys.view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_other_attention_implementations_calibrate_scales_only(base_model):
@@ -304,36 +310,17 @@ def test_a_later_calibration_replaces_the_moment_and_an_aborted_one_keeps_it(bas
     assert not torch.equal(attention.k_rounding_hessian, before)
 
 
-def _greedy(model, prompt, cache, steps, compiled=False):
-    with torch.no_grad():
-        logits = model(prompt, cache=cache, use_cache=True).logits
-        token = logits[:, -1:].argmax(-1)
-
-        def step(token, position):
-            return model(token, cache=cache, position_ids=position, use_cache=True).logits
-
-        step_fn = torch.compile(step, fullgraph=True) if compiled else step
-        tokens, all_logits = [token], []
-        for i in range(steps):
-            position = torch.full((prompt.shape[0], 1), prompt.shape[1] + i)
-            logits = step_fn(token, position)
-            all_logits.append(logits)
-            token = logits[:, -1:].argmax(-1)
-            tokens.append(token)
-    return torch.cat(tokens, 1), torch.cat(all_logits, 1)
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_generation_dynamic_and_static_caches(base_model, compiled):
     model = _calibrated(base_model)
     prompt = _tokens(22, length=24)
     steps = 5
-    dynamic_tokens, dynamic_logits = _greedy(model, prompt, DynamicCache(config=model.config), steps)
+    dynamic_tokens, dynamic_logits = greedy(model, prompt, DynamicCache(config=model.config), steps)
     static_cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps + 3)
     torch.compiler.reset()
     torch._dynamo.utils.counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        static_tokens, static_logits = _greedy(model, prompt, static_cache, steps, compiled=compiled)
+        static_tokens, static_logits = greedy(model, prompt, static_cache, steps, compiled=compiled)
     assert torch.equal(dynamic_tokens, static_tokens)
     assert formats.sqnr(dynamic_logits, static_logits) > 60
     if compiled:
@@ -342,7 +329,7 @@ def test_generation_dynamic_and_static_caches(base_model, compiled):
     layer = static_cache.layers[1]
     keys = layer.keys[:, :, : prompt.shape[1] + steps]
     dynamic = DynamicCache(config=model.config)
-    _greedy(model, prompt, dynamic, steps)
+    greedy(model, prompt, dynamic, steps)
     assert torch.equal(keys.view(torch.uint8), dynamic.layers[1].keys.view(torch.uint8))
     # and the prefill is close to the unquantized cache's (greedy tokens of this random model part ways on
     # near ties, with or without the compensation)
@@ -358,19 +345,11 @@ def test_dynamic_scales_with_a_measured_moment(base_model):
     model = _calibrated(base_model)
     for layer in model.model.layers:
         layer.self_attn.k_scale = layer.self_attn.v_scale = None
-    prompt = _tokens(23)
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(prompt, cache=cache, use_cache=True)
-    layer = cache.layers[0]
+    layer, keys = _first_layer_keys(model, _tokens(23))
     assert layer.key_scale.shape == (2, 2, 1, 1)
-    reference = DynamicCache(config=model.config)
-    kvc.set_fp8_kv_cache_enabled(model, False)
-    with torch.no_grad():
-        model(prompt, cache=reference, use_cache=True)
     attention = model.model.layers[0].self_attn
     expected = ops.fp8_compensated_quantize_reference(
-        reference.layers[0].keys,
+        keys,
         layer.key_scale,
         attention.k_rounding_factor,
         attention.k_rounding_order,
@@ -393,15 +372,21 @@ def test_moment_follows_the_model_to_another_dtype_in_float32(base_model):
 # ------------------------------------------------------------------ saving
 
 
-def test_save_and_reload_keep_the_moment(tmp_path):
-    from qfp8.checkpoint.naming import KV_ROUNDING_FILE
-    from qfp8.checkpoint.safetensors_io import SafetensorsFile
-
-    model = tiny_llama(seed=3)
+def _saved(tmp_path, seed):
+    """A tiny Llama with a calibrated FP8 KV cache, saved in ``tmp_path``."""
+    model = tiny_llama(seed=seed)
     qfp8.quantize(model, kv_cache="float8_e4m3fn")
     with torch.no_grad(), qfp8.calibrate(model):
         model(_tokens(10), use_cache=False)
     qfp8.save_pretrained(model, tmp_path)
+    return model
+
+
+def test_save_and_reload_keep_the_moment(tmp_path):
+    from qfp8.checkpoint.naming import KV_ROUNDING_FILE
+    from qfp8.checkpoint.safetensors_io import SafetensorsFile
+
+    model = _saved(tmp_path, seed=3)
     assert (tmp_path / KV_ROUNDING_FILE).is_file()
     # vLLM loads every *.safetensors of a folder without an index: the moments are not among them
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
@@ -411,8 +396,8 @@ def test_save_and_reload_keep_the_moment(tmp_path):
     for ours, theirs in zip(model.model.layers, loaded.model.layers, strict=True):
         assert torch.equal(ours.self_attn.k_rounding_hessian, theirs.self_attn.k_rounding_hessian)
     prompt = _tokens(25, length=16)
-    tokens, logits = _greedy(model, prompt, DynamicCache(config=model.config), 3)
-    tokens_loaded, logits_loaded = _greedy(loaded, prompt, DynamicCache(config=loaded.config), 3)
+    tokens, logits = greedy(model, prompt, DynamicCache(config=model.config), 3)
+    tokens_loaded, logits_loaded = greedy(loaded, prompt, DynamicCache(config=loaded.config), 3)
     assert torch.equal(tokens, tokens_loaded) and torch.equal(logits, logits_loaded)
 
     # Saved again without the rounding: the old file goes, so it cannot pair with the new weights.
@@ -427,11 +412,7 @@ def test_a_bad_rounding_file_is_refused_naming_it(tmp_path):
     from qfp8.checkpoint.naming import KV_ROUNDING_FILE
     from qfp8.checkpoint.safetensors_io import PlannedTensor, write_safetensors
 
-    model = tiny_llama(seed=4)
-    qfp8.quantize(model, kv_cache="float8_e4m3fn")
-    with torch.no_grad(), qfp8.calibrate(model):
-        model(_tokens(10), use_cache=False)
-    qfp8.save_pretrained(model, tmp_path)
+    _saved(tmp_path, seed=4)
 
     def write(tensors):
         entries = [PlannedTensor(n, t.dtype, tuple(t.shape), lambda t=t: t) for n, t in tensors.items()]
@@ -482,14 +463,6 @@ def test_without_the_cpu_kernel_keys_round_to_nearest(base_model, monkeypatch):
     # without the extension, or any other device) the cache rounds to nearest.
     model = _calibrated(base_model)
     monkeypatch.setattr(ops, "_COMPENSATED_CPU_KERNEL", False)
-    cache = DynamicCache(config=model.config)
-    prompt = _tokens(27)
-    with torch.no_grad():
-        model(prompt, cache=cache, use_cache=True)
-    reference = DynamicCache(config=model.config)
-    kvc.set_fp8_kv_cache_enabled(model, False)
-    with torch.no_grad():
-        model(prompt, cache=reference, use_cache=True)
-    attention = model.model.layers[0].self_attn
-    expected = kvc.quantize_kv(reference.layers[0].keys, attention.k_scale, torch.float8_e4m3fn)
-    assert torch.equal(cache.layers[0].keys.view(torch.uint8), expected.view(torch.uint8))
+    layer, keys = _first_layer_keys(model, _tokens(27))
+    expected = kvc.quantize_kv(keys, model.model.layers[0].self_attn.k_scale, torch.float8_e4m3fn)
+    assert torch.equal(layer.keys.view(torch.uint8), expected.view(torch.uint8))
