@@ -51,3 +51,17 @@ def greedy(model, prompt, cache, steps, compiled=False):
             token = logits[:, -1:].argmax(-1)
             tokens.append(token)
     return torch.cat(tokens, 1), torch.cat(all_logits, 1)
+
+
+def dynamic_and_static(model, prompt, steps, compiled):
+    """``greedy`` with a DynamicCache, then with a StaticCache (compiled if asked, failing on a recompile):
+    (dynamic tokens, dynamic logits, static cache, static tokens, static logits)."""
+    from transformers import DynamicCache, StaticCache
+
+    dynamic_tokens, dynamic_logits = greedy(model, prompt, DynamicCache(config=model.config), steps)
+    static_cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps + 3)
+    torch.compiler.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        static_tokens, static_logits = greedy(model, prompt, static_cache, steps, compiled=compiled)
+    return dynamic_tokens, dynamic_logits, static_cache, static_tokens, static_logits

@@ -14,7 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 import qfp8
 from qfp8 import formats
 from qfp8.nn import kv_cache as kvc
-from tests.conftest import greedy
+from tests.conftest import dynamic_and_static, greedy
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 DTYPE_IDS = ["e4m3", "e5m2"]
@@ -169,12 +169,9 @@ def test_generation_static_and_dynamic_caches(base_model, prompt, compiled):
     model = copy.deepcopy(base_model)
     kvc.enable_fp8_kv_cache(model)
     steps = 5
-    dynamic_tokens, dynamic_logits = greedy(model, prompt, DynamicCache(config=model.config), steps)
-    static_cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps + 3)
-    torch.compiler.reset()
-    torch._dynamo.utils.counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        static_tokens, static_logits = greedy(model, prompt, static_cache, steps, compiled=compiled)
+    dynamic_tokens, dynamic_logits, static_cache, static_tokens, static_logits = dynamic_and_static(
+        model, prompt, steps, compiled
+    )
     assert isinstance(static_cache.layers[0], kvc.Float8StaticLayer)
     assert static_cache.layers[0].keys.dtype == torch.float8_e4m3fn
     # Same per-head scales and FP8 codes: dynamic and static caches agree (float rounding of attention aside).

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import qfp8
@@ -20,7 +20,7 @@ from qfp8 import formats
 from qfp8.library import attention as ops
 from qfp8.library import cpu
 from qfp8.nn import kv_cache as kvc
-from tests.conftest import greedy
+from tests.conftest import dynamic_and_static, greedy
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 needs_kernel = pytest.mark.skipif(
@@ -315,12 +315,9 @@ def test_generation_dynamic_and_static_caches(base_model, compiled):
     model = _calibrated(base_model)
     prompt = _tokens(22, length=24)
     steps = 5
-    dynamic_tokens, dynamic_logits = greedy(model, prompt, DynamicCache(config=model.config), steps)
-    static_cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps + 3)
-    torch.compiler.reset()
-    torch._dynamo.utils.counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        static_tokens, static_logits = greedy(model, prompt, static_cache, steps, compiled=compiled)
+    dynamic_tokens, dynamic_logits, static_cache, static_tokens, static_logits = dynamic_and_static(
+        model, prompt, steps, compiled
+    )
     assert torch.equal(dynamic_tokens, static_tokens)
     assert formats.sqnr(dynamic_logits, static_logits) > 60
     if compiled:
