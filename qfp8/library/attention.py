@@ -158,7 +158,7 @@ def fp8_compensated_quantize_reference(states, scale, factor, order, dtype):
     for t in range(dim):
         code = (x[..., t] / s).clamp(-fmax, fmax).to(dtype)
         codes[..., t] = code.view(torch.uint8)
-        kept = torch.maximum(torch.minimum(x[..., t], limit), -limit)
+        kept = torch.minimum(torch.maximum(x[..., t], -limit), limit)  # the kernel's order (limit < 0 too)
         error = (kept - code.to(torch.float32) * s) / factor[None, :, None, t, t]
         error = torch.where(torch.isfinite(error), error, 0.0)
         if t + 1 < dim:

@@ -118,17 +118,26 @@ KV_ROUNDING_BUFFERS = ("k_rounding_hessian", "k_rounding_factor", "k_rounding_or
 
 def set_k_rounding(attention: nn.Module, hessian: torch.Tensor | None) -> None:
     """Gives ``attention`` compensated key rounding for the query second moment ``hessian`` ``[H_kv, D, D]``
-    (None: round to nearest). Checks it: ``[H_kv, D, D]``, finite, a nonnegative diagonal."""
+    (None: round to nearest). Checks it: a floating ``[H_kv, D, D]`` tensor, finite, symmetric, positive
+    semidefinite (what a second moment is); ``ValueError`` otherwise."""
     if hessian is None:
         for name in KV_ROUNDING_BUFFERS:
             setattr(attention, name, None)
         return
+    if not hessian.is_floating_point() or hessian.dtype in KV_CACHE_DTYPES:
+        raise ValueError(f"k_rounding_hessian must be float32 (or another float dtype), got {hessian.dtype}")
     if hessian.dim() != 3 or hessian.shape[-1] != hessian.shape[-2]:
         raise ValueError(f"k_rounding_hessian must be [H_kv, D, D], got {list(hessian.shape)}")
     h = hessian.detach().to(torch.float32)
     if not bool(torch.isfinite(h).all()) or bool((torch.diagonal(h, dim1=-2, dim2=-1) < 0).any()):
         raise ValueError("k_rounding_hessian holds non-finite values or a negative diagonal")
-    factor, order = attention_ops.rounding_factors(h, KV_ROUNDING_DAMPING)
+    asymmetry = float((h - h.transpose(-1, -2)).abs().max())
+    if asymmetry > 1e-4 * float(h.abs().max()):
+        raise ValueError(f"k_rounding_hessian is not symmetric (entries differ from their mirror by {asymmetry:.3g})")
+    try:
+        factor, order = attention_ops.rounding_factors(h, KV_ROUNDING_DAMPING)
+    except torch.linalg.LinAlgError:
+        raise ValueError("k_rounding_hessian is not positive semidefinite (not a second moment)") from None
     attention_ops.compensated_cpu_kernel()  # known before any compiled step reads it
     with torch.inference_mode(False):  # normal tensors even when calibrating under inference mode
         attention.k_rounding_hessian = h.clone()
@@ -137,12 +146,14 @@ def set_k_rounding(attention: nn.Module, hessian: torch.Tensor | None) -> None:
 
 
 def k_rounding_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``<attention>.k_rounding_hessian`` of each FP8 KV-cache attention module that has one: what a state dict
-    leaves out (see the module docstring); :func:`load_k_rounding` puts it back."""
+    """``<attention>.k_rounding_hessian`` of each FP8 KV-cache attention module that uses one (compensated
+    rounding on): what a state dict leaves out (see the module docstring); :func:`load_k_rounding` puts it back."""
     return {
         f"{name}.k_rounding_hessian": module.k_rounding_hessian.detach().to("cpu", torch.float32).contiguous()
         for name, module in model.named_modules()
-        if isinstance(module, Float8KVAttentionMixin) and module.k_rounding_hessian is not None
+        if isinstance(module, Float8KVAttentionMixin)
+        and module.k_rounding_hessian is not None
+        and getattr(module, "qfp8_kv_compensate", False)
     }
 
 
@@ -164,6 +175,16 @@ def load_k_rounding(model: nn.Module, tensors: dict[str, torch.Tensor], source: 
             set_k_rounding(attention, value.to(device=device))
         except ValueError as error:
             raise ValueError(f"{source}: {key!r}: {error}") from None
+    uncovered = [
+        name
+        for name, attention in attentions.items()
+        if isinstance(attention, Float8KVAttentionMixin) and f"{name}.k_rounding_hessian" not in tensors
+    ]
+    if tensors and uncovered:
+        shown = ", ".join(uncovered[:4]) + (f" and {len(uncovered) - 4} more" if len(uncovered) > 4 else "")
+        warnings.warn(
+            f"{source}: no key-rounding moments for {shown}; those layers round keys to nearest", stacklevel=2
+        )
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
@@ -651,7 +672,8 @@ class Float8KVAttentionMixin:
                 moment, rows = self._query_moment
                 hessian = (moment / rows).to(torch.float32)
         self.k_scale, self.v_scale = k_scale, v_scale
-        set_k_rounding(self, hessian)
+        if hessian is not None:  # none recorded (compensation off, another attention): a measured one is kept
+            set_k_rounding(self, hessian)
         self._kv_amax = None
         self._kv_rows = ([], [])
         self._query_moment = None

@@ -98,6 +98,11 @@ def test_cpu_kernel_matches_the_reference_bit_for_bit(dtype, per_head, tokens):
     fmax = torch.finfo(dtype).max
     assert float(values[1, 2, 7, 0]) == fmax and float(values[1, 0, 9, 4]) == -fmax
     assert bool(torch.isfinite(values[1, 2, 7, 1:]).all()) and bool(torch.isfinite(values[1, 0, 9]).all())
+    # a negative scale (only a direct call can pass one) clamps alike
+    negative = -scale
+    kernel = torch.ops.qfp8.fp8_compensated_quantize(x, negative, factor, order, dtype)
+    reference = ops.fp8_compensated_quantize_reference(x, negative, factor, order, dtype)
+    assert torch.equal(kernel.view(torch.uint8), reference.view(torch.uint8))
     # one token (a decode step) and a few (a draft) take the one-row path
     for short in (x[:, :, :1], x[:, :, 8:11]):
         kernel = torch.ops.qfp8.fp8_compensated_quantize(short, scale, factor, order, dtype)
@@ -308,6 +313,12 @@ def test_a_later_calibration_replaces_the_moment_and_an_aborted_one_keeps_it(bas
     with torch.no_grad(), qfp8.calibrate(model):
         model(_tokens(30), use_cache=False)
     assert not torch.equal(attention.k_rounding_hessian, before)
+    # A calibration that records no queries (compensation off: scales only) keeps the measured moment.
+    measured = attention.k_rounding_hessian.clone()
+    kvc.enable_fp8_kv_cache(model, compensated_rounding=False)
+    with torch.no_grad(), qfp8.calibrate(model):
+        model(_tokens(31), use_cache=False)
+    assert torch.equal(attention.k_rounding_hessian, measured)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -404,6 +415,12 @@ def test_save_and_reload_keep_the_moment(tmp_path):
     assert not (tmp_path / KV_ROUNDING_FILE).exists()
     assert qfp8.from_pretrained(tmp_path).model.layers[0].self_attn.k_rounding_hessian is None
 
+    # Compensation turned off before saving: no moments are written, so the reloaded model rounds to nearest
+    # as the saved one did.
+    kvc.enable_fp8_kv_cache(model, compensated_rounding=False)
+    qfp8.save_pretrained(model, tmp_path / "off")
+    assert not (tmp_path / "off" / KV_ROUNDING_FILE).exists()
+
 
 def test_a_bad_rounding_file_is_refused_naming_it(tmp_path):
     from qfp8.checkpoint.naming import KV_ROUNDING_FILE
@@ -426,6 +443,24 @@ def test_a_bad_rounding_file_is_refused_naming_it(tmp_path):
     write({"model.layers.0.self_attn.k_rounding_hessian": nan})
     with pytest.raises(ValueError, match="non-finite values"):
         qfp8.from_pretrained(tmp_path)
+    indefinite = torch.eye(16).repeat(2, 1, 1)
+    indefinite[0, 0, 1] = indefinite[0, 1, 0] = 5.0  # symmetric, a positive diagonal, not a second moment
+    write({"model.layers.0.self_attn.k_rounding_hessian": indefinite})
+    with pytest.raises(ValueError, match="qfp8_kv_rounding.st: .* not positive semidefinite"):
+        qfp8.from_pretrained(tmp_path)
+    lopsided = torch.eye(16).repeat(2, 1, 1)
+    lopsided[0, 0, 1] = 100.0
+    write({"model.layers.0.self_attn.k_rounding_hessian": lopsided})
+    with pytest.raises(ValueError, match="not symmetric"):
+        qfp8.from_pretrained(tmp_path)
+    write({"model.layers.0.self_attn.k_rounding_hessian": torch.ones(2, 16, 16, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="must be float32 .* got torch.int32"):
+        qfp8.from_pretrained(tmp_path)
+    # A file covering some layers only: the others round to nearest, with a warning naming them.
+    write({"model.layers.0.self_attn.k_rounding_hessian": torch.eye(16).repeat(2, 1, 1)})
+    with pytest.warns(UserWarning, match=r"no key-rounding moments for model.layers.1.self_attn"):
+        partial = qfp8.from_pretrained(tmp_path)
+    assert partial.model.layers[1].self_attn.k_rounding_hessian is None
     # A checkpoint without an FP8 KV cache ignores the file, with a warning.
     plain = tiny_llama(seed=4)
     qfp8.quantize(plain)
