@@ -58,13 +58,14 @@ from qfp8 import formats, rounding
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint import layerwise
 from qfp8.checkpoint.loader import build_model
-from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames
+from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.readers import open_checkpoint
-from qfp8.checkpoint.safetensors_io import PlannedTensor, write_safetensors
+from qfp8.checkpoint.safetensors_io import PlannedTensor
 from qfp8.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     carried_files,
     check_output_directory,
+    kv_rounding_file,
     parse_size,
     write_checkpoint,
 )
@@ -361,11 +362,7 @@ def stream_quantize(
     bar = _progress(sum(t.nbytes for t in out), progress)
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            extra = carried_files(checkpoint.directory)
-            if kv_rounding:
-                extra[KV_ROUNDING_FILE] = Path(scratch, KV_ROUNDING_FILE)
-                entries = [PlannedTensor(n, t.dtype, tuple(t.shape), lambda t=t: t) for n, t in kv_rounding.items()]
-                write_safetensors(extra[KV_ROUNDING_FILE], entries, metadata={"format": "pt"})
+            extra = {**carried_files(checkpoint.directory), **kv_rounding_file(kv_rounding, scratch)}
             shards = write_checkpoint(dst, out, config, max_shard_size, extra, on_tensor=lambda t: bar(t.nbytes))
     finally:
         bar(None)

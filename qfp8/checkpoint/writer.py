@@ -245,6 +245,16 @@ def _kv_scales(model: nn.Module) -> bool:
     )
 
 
+def kv_rounding_file(tensors: dict[str, torch.Tensor], scratch: str | os.PathLike) -> dict[str, Path]:
+    """Writes the FP8 KV cache's query moments ``tensors`` to ``KV_ROUNDING_FILE`` in ``scratch``; returns
+    ``{name: path}`` for :func:`write_checkpoint`'s extra files (empty when there are none)."""
+    if not tensors:
+        return {}
+    path = Path(scratch, KV_ROUNDING_FILE)
+    write_safetensors(path, [_tensor_plan(name, tensor) for name, tensor in tensors.items()], {"format": "pt"})
+    return {KV_ROUNDING_FILE: path}
+
+
 def _shards(plan: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
     shards: list[list[PlannedTensor]] = [[]]
     size = 0
@@ -448,9 +458,6 @@ def save_pretrained(
             from qfp8.nn.kv_cache import k_rounding_state  # imports transformers
 
             rounding = k_rounding_state(model)
-        if rounding:
-            extra[KV_ROUNDING_FILE] = Path(scratch, KV_ROUNDING_FILE)
-            entries = [_tensor_plan(name, tensor) for name, tensor in rounding.items()]
-            write_safetensors(extra[KV_ROUNDING_FILE], entries, metadata={"format": "pt"})
+        extra.update(kv_rounding_file(rounding, scratch))
         write_checkpoint(directory, plan, config, max_shard_size, extra)
     return Path(directory)
