@@ -76,8 +76,8 @@ def prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
 
 
-def generate(model: nn.Module, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> tuple[str, float]:
-    """Greedy decoding; returns the new text and decode tokens/s (prefill timed apart)."""
+def generate(model: nn.Module, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> tuple[str, float | None]:
+    """Greedy decoding; returns the new text and decode tokens/s (prefill timed apart; see decode_rate)."""
     with torch.inference_mode():
         began = time.perf_counter()
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=tokenizer.eos_token_id)
@@ -92,8 +92,16 @@ def generate(model: nn.Module, tokenizer, ids: torch.Tensor, max_new_tokens: int
         )
         elapsed = time.perf_counter() - began
     new = out[0, ids.shape[1] :]
-    decode_steps = max(new.numel() - 1, 1)
-    return tokenizer.decode(new, skip_special_tokens=True), decode_steps / max(elapsed - prefill, 1e-9)
+    return tokenizer.decode(new, skip_special_tokens=True), decode_rate(new.numel() - 1, elapsed, prefill)
+
+
+def decode_rate(decode_steps: int, elapsed: float, prefill: float) -> float | None:
+    """Tokens/s of the steps after the first token: None when there are none, or when generating took no longer
+    than the prefill alone (a timing too short to say anything)."""
+    decode_time = elapsed - prefill
+    if decode_steps < 1 or decode_time <= 0:
+        return None
+    return decode_steps / decode_time
 
 
 def build(base: nn.Module, kwargs: dict | None, accuracy: str | None, calibration: torch.Tensor) -> nn.Module:
@@ -166,8 +174,12 @@ def run(args: argparse.Namespace) -> int:
 
     print()
     header = ("scheme", "weight MB", "perplexity", "decode tok/s", "kernel")
+
+    def rate(value):
+        return "n/a" if value is None else f"{value:.1f}"
+
     lines = [
-        (r["scheme"], f"{r['weight_bytes'] / 1e6:.1f}", f"{r['perplexity']:.3f}", f"{r['decode_tokens_per_s']:.1f}")
+        (r["scheme"], f"{r['weight_bytes'] / 1e6:.1f}", f"{r['perplexity']:.3f}", rate(r["decode_tokens_per_s"]))
         + (r["kernel"],)
         for r in results
     ]

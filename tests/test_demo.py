@@ -58,3 +58,10 @@ def test_options_given_with_quick_win_over_its_defaults(tmp_path, monkeypatch, c
     assert demo.run(args) == 0
     assert (args.window_length, args.max_new_tokens, args.ppl_windows, args.calibration_windows) == (32, 4, 1, 1)
     assert "perplexity on 1 x 32 tokens" in capsys.readouterr().out
+
+
+def test_decode_rate_says_nothing_when_there_is_nothing_to_time():
+    # Two new tokens generated within the prefill's time had printed "decode tok/s 1000000000.0".
+    assert demo.decode_rate(1, elapsed=0.50, prefill=0.52) is None
+    assert demo.decode_rate(0, elapsed=1.0, prefill=0.5) is None
+    assert demo.decode_rate(3, elapsed=2.0, prefill=0.5) == 2.0
