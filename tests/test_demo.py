@@ -31,7 +31,8 @@ def test_demo_quick_prints_every_scheme(tmp_path):
     assert list(rows) == list(demo.SCHEMES)
     bf16 = rows["bf16"]["weight_bytes"]
     for name, row in rows.items():
-        assert row["perplexity"] > 1 and row["decode_tokens_per_s"] > 0, row
+        # None: decoding took no longer than the prefill alone (timing noise on this tiny model; decode_rate)
+        assert row["perplexity"] > 1 and (row["decode_tokens_per_s"] is None or row["decode_tokens_per_s"] > 0), row
         assert name in result.stdout
         if name != "bf16":
             # Linear weights halve (bf16 -> FP8); the bf16 embedding stays.
