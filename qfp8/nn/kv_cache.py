@@ -187,6 +187,16 @@ def load_k_rounding(model: nn.Module, tensors: dict[str, torch.Tensor], source: 
         )
 
 
+def _real_queries(mask: torch.Tensor | None, batch: int, tokens: int) -> torch.Tensor | None:
+    """``[B, T]`` bool: query ``t`` may attend to its own key position (the mask's last ``T`` columns are the
+    queries' own positions); None when there is no usable 4-D mask (every query counts)."""
+    if mask is None or mask.dim() != 4 or mask.shape[-2] != tokens or mask.shape[-1] < tokens:
+        return None
+    own = torch.diagonal(mask[:, 0, :, mask.shape[-1] - tokens :], dim1=-2, dim2=-1)  # [B or 1, T]
+    allowed = own if own.dtype == torch.bool else own > attention_ops.MASKED_BELOW
+    return allowed.expand(batch, tokens)
+
+
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
     a = x.detach().abs().to(torch.float32)
     return torch.where(torch.isfinite(a), a, 0.0)
@@ -678,8 +688,12 @@ class Float8KVAttentionMixin:
         self._kv_rows = ([], [])
         self._query_moment = None
 
-    def _record_queries(self, query: torch.Tensor) -> None:
-        """Adds ``q q^T`` of every finite query row ``[B, Hq, T, D]`` to its KV head's sum (float64)."""
+    def _record_queries(self, query: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Adds ``q q^T`` of every finite query row ``[B, Hq, T, D]`` of a real token to its KV head's sum (float64).
+
+        A query is a padded position's when the mask (``[B, 1, T, S]``, bool or additive, the last ``T`` key
+        positions being the queries' own) does not let it attend to its own position.
+        """
         batch, heads, tokens, dim = query.shape
         groups = getattr(self, "num_key_value_groups", None)
         if not groups or heads % groups or query.numel() == 0:
@@ -687,8 +701,12 @@ class Float8KVAttentionMixin:
         kv_heads = heads // groups
         # Query head j reads KV head j // (heads / kv_heads) (transformers' repeat_kv).
         rows = query.detach().to(torch.float64).reshape(batch, kv_heads, -1, tokens, dim)
+        keep = torch.isfinite(rows).all(-1, keepdim=True)  # [B, Hkv, G, T, 1]
+        real = _real_queries(attention_mask, batch, tokens)
+        if real is not None:
+            keep = keep & real[:, None, None, :, None]
         rows = rows.transpose(0, 1).reshape(kv_heads, -1, dim)
-        finite = torch.isfinite(rows).all(-1, keepdim=True)
+        finite = keep.transpose(0, 1).reshape(kv_heads, -1, 1)
         rows = torch.where(finite, rows, 0.0)
         moment = rows.transpose(1, 2) @ rows
         count = int(finite.sum()) // kv_heads
@@ -879,7 +897,7 @@ def _fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     """
     layer = kwargs.pop("qfp8_kv_layer", None)
     if getattr(module, "qfp8_kv_calibrating", False) and getattr(module, "qfp8_kv_compensate", False):
-        module._record_queries(query)
+        module._record_queries(query, attention_mask)
     if layer is not None and key.dtype in KV_CACHE_DTYPES:
         mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
         if query.shape[2] == 1 and not dropout and kwargs.get("softcap") is None and mask_ok:

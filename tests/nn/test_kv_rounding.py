@@ -498,3 +498,25 @@ def test_without_the_cpu_kernel_keys_round_to_nearest(base_model, monkeypatch):
     layer, keys = _first_layer_keys(model, _tokens(27))
     expected = kvc.quantize_kv(keys, model.model.layers[0].self_attn.k_scale, torch.float8_e4m3fn)
     assert torch.equal(layer.keys.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_padded_positions_do_not_count_in_the_moment(base_model):
+    # A left-padded calibration batch measures the moment of its real tokens only: as if each row ran alone.
+    rows = [_tokens(40, batch=1, length=20)[0], _tokens(41, batch=1, length=14)[0]]
+    padded = torch.zeros(2, 20, dtype=torch.long)
+    mask = torch.zeros(2, 20, dtype=torch.long)
+    for i, row in enumerate(rows):
+        padded[i, 20 - row.numel() :] = row
+        mask[i, 20 - row.numel() :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    together, alone = copy.deepcopy(base_model), copy.deepcopy(base_model)
+    for model in (together, alone):
+        kvc.enable_fp8_kv_cache(model)
+    with torch.no_grad():
+        with qfp8.calibrate(together):
+            together(padded, attention_mask=mask, position_ids=positions, use_cache=False)
+        with qfp8.calibrate(alone):
+            for row in rows:
+                alone(row[None], use_cache=False)
+    for a, b in zip(together.model.layers, alone.model.layers, strict=True):
+        assert torch.allclose(a.self_attn.k_rounding_hessian, b.self_attn.k_rounding_hessian, rtol=1e-4, atol=1e-6)
