@@ -15,6 +15,11 @@ filled part costs, and no float copy of the cache is made. Elsewhere (and
 when the extension is missing) the reference below runs: dequantize through
 the lookup table, then the same arithmetic in float32. A sequence whose every
 position is masked, or an empty cache, gets zeros (SDPA would give NaN).
+
+``fp8_compensated_quantize(states, scale, factor, order, dtype)``: the FP8
+KV cache's compensated key rounding (GPTQ's rounding applied to each key
+row; :func:`fp8_compensated_quantize_reference` says what it computes), a
+C++ kernel on CPU, bit-identical to that reference.
 """
 
 from __future__ import annotations
@@ -237,6 +242,6 @@ def fp8_compensated_quantize(states, scale, factor, order, dtype):
         raise ValueError(
             f"fp8_compensated_quantize: scale must have 1 or B * H = {batch * heads} values, got {scale.numel()}"
         )
-    if dtype not in formats.FP8_DTYPES.values():
-        raise TypeError(f"fp8_compensated_quantize: dtype must be an FP8 dtype, got {dtype}")
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"fp8_compensated_quantize: dtype must be an FP8 dtype (e4m3fn or e5m2), got {dtype}")
     return torch.ops.qfp8.fp8_compensated_quantize(states, scale, factor, order, dtype)
