@@ -19,6 +19,7 @@ import qfp8
 from qfp8 import formats
 from qfp8.library import attention as ops
 from qfp8.library import cpu
+from qfp8.library.testing import opcheck
 from qfp8.nn import kv_cache as kvc
 from tests.conftest import dynamic_and_static, greedy
 
@@ -152,6 +153,15 @@ def test_bad_arguments_are_refused_with_sizes():
         bad[0, 0] = 32
         with pytest.raises(RuntimeError, match=r"order holds 32, outside \[0, 32\)"):
             torch.ops.qfp8.fp8_compensated_quantize(x, scale, factor, bad, torch.float8_e4m3fn)
+
+
+def test_opcheck():
+    # schema, fake tensor and AOT dispatch checks (FP8 output: qfp8's opcheck). With a grad-requiring input,
+    # torch's AOT check sums the FP8 output, which torch cannot: the straight-through gradient has its own test.
+    x = _states(shape=(1, 3, 9, 32))
+    factor, order = ops.rounding_factors(_query_moment(), 0.01)
+    scale = _per_tensor_scale(x, torch.float8_e4m3fn)
+    opcheck(torch.ops.qfp8.fp8_compensated_quantize.default, (x, scale, factor, order, torch.float8_e4m3fn))
 
 
 def test_op_compiles_without_graph_breaks():
