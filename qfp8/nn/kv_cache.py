@@ -655,6 +655,7 @@ class Float8KVAttentionMixin:
         self._kv_amax = None
         self._kv_rows = ([], [])
         self._query_moment = None
+        self._calibration_mask = None
 
     def start_calibration(self) -> None:
         self.qfp8_kv_calibrating = True
@@ -665,6 +666,7 @@ class Float8KVAttentionMixin:
 
     def end_calibration(self) -> None:
         self.qfp8_kv_calibrating = False
+        self._calibration_mask = None
         if self._kv_amax is None:
             self._query_moment = None
             return  # never ran: stays dynamic
@@ -718,6 +720,12 @@ class Float8KVAttentionMixin:
     def _record_kv_amax(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.numel() == 0 or value_states.numel() == 0:
             return
+        # Padded positions of the batch (the mask keeps them from attending to themselves) count as zeros,
+        # which change no amax, and their rows are not kept for the search.
+        real = _real_queries(getattr(self, "_calibration_mask", None), key_states.shape[0], key_states.shape[2])
+        if real is not None:
+            key_states = torch.where(real[:, None, :, None], key_states, 0.0)
+            value_states = torch.where(real[:, None, :, None], value_states, 0.0)
         k_amax, v_amax = _finite_abs(key_states).amax(), _finite_abs(value_states).amax()
         if not bool((k_amax > 0) & (v_amax > 0)):
             return  # no finite nonzero K or V (all zeros, NaN/Inf) counts as none: amax 0 gives a scale that saturates
@@ -725,13 +733,16 @@ class Float8KVAttentionMixin:
             k_amax, v_amax = torch.maximum(k_amax, self._kv_amax[0]), torch.maximum(v_amax, self._kv_amax[1])
         self._kv_amax = (k_amax, v_amax)
         if self.qfp8_kv_scale_search:
-            self._keep_kv_rows(key_states, value_states)
+            self._keep_kv_rows(key_states, value_states, real)
 
-    def _keep_kv_rows(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Keeps a spread sample of at most SCALE_SEARCH_ROWS token rows ``[H * D]`` of K and V."""
+    def _keep_kv_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, real=None) -> None:
+        """Keeps a spread sample of at most SCALE_SEARCH_ROWS token rows ``[H * D]`` of K and V (of the real
+        tokens ``real`` ``[B, T]``, when given)."""
         kept_k, kept_v = self._kv_rows
         for states, kept in ((key_states, kept_k), (value_states, kept_v)):
             rows = states.detach().transpose(1, 2).reshape(-1, states.shape[1] * states.shape[3])
+            if real is not None:
+                rows = rows[real.reshape(-1)]
             kept.append(torch.nan_to_num(rows[:: self._kv_row_stride], nan=0.0, posinf=0.0, neginf=0.0))
         while sum(t.shape[0] for t in kept_k) > SCALE_SEARCH_ROWS:
             self._kv_row_stride *= 2
@@ -861,6 +872,8 @@ def _holds_nothing(layer) -> bool:
 
 def _pre_forward(module: nn.Module, args, kwargs):
     cache = _cache_from(kwargs)
+    if module.qfp8_kv_calibrating:  # which tokens are padding: they count in no scale or moment
+        module._calibration_mask = kwargs.get("attention_mask")
     if cache is None:
         if module.qfp8_kv_enabled and module.qfp8_kv_calibrating:
             kwargs = dict(kwargs)

@@ -510,8 +510,9 @@ def test_without_the_cpu_kernel_keys_round_to_nearest(base_model, monkeypatch):
     assert torch.equal(layer.keys.view(torch.uint8), expected.view(torch.uint8))
 
 
-def test_padded_positions_do_not_count_in_the_moment(base_model):
-    # A left-padded calibration batch measures the moment of its real tokens only: as if each row ran alone.
+@pytest.mark.parametrize("search", [True, False], ids=["searched-scales", "amax-scales"])
+def test_padded_positions_do_not_count_in_the_moment_or_the_scales(base_model, search):
+    # A left-padded calibration batch measures its real tokens only: as if each row ran alone.
     rows = [_tokens(40, batch=1, length=20)[0], _tokens(41, batch=1, length=14)[0]]
     padded = torch.zeros(2, 20, dtype=torch.long)
     mask = torch.zeros(2, 20, dtype=torch.long)
@@ -521,7 +522,7 @@ def test_padded_positions_do_not_count_in_the_moment(base_model):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     together, alone = copy.deepcopy(base_model), copy.deepcopy(base_model)
     for model in (together, alone):
-        kvc.enable_fp8_kv_cache(model)
+        kvc.enable_fp8_kv_cache(model, scale_search=search)
     with torch.no_grad():
         with qfp8.calibrate(together):
             together(padded, attention_mask=mask, position_ids=positions, use_cache=False)
@@ -530,3 +531,5 @@ def test_padded_positions_do_not_count_in_the_moment(base_model):
                 alone(row[None], use_cache=False)
     for a, b in zip(together.model.layers, alone.model.layers, strict=True):
         assert torch.allclose(a.self_attn.k_rounding_hessian, b.self_attn.k_rounding_hessian, rtol=1e-4, atol=1e-6)
+        for name in ("k_scale", "v_scale"):
+            assert torch.allclose(getattr(a.self_attn, name), getattr(b.self_attn, name), rtol=1e-5), name
