@@ -190,7 +190,7 @@ def load_k_rounding(model: nn.Module, tensors: dict[str, torch.Tensor], source: 
 def _real_queries(mask: torch.Tensor | None, batch: int, tokens: int) -> torch.Tensor | None:
     """``[B, T]`` bool: query ``t`` may attend to its own key position (the mask's last ``T`` columns are the
     queries' own positions); None when there is no usable 4-D mask (every query counts)."""
-    if mask is None or mask.dim() != 4 or mask.shape[-2] != tokens or mask.shape[-1] < tokens:
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] != tokens or mask.shape[-1] < tokens:
         return None
     own = torch.diagonal(mask[:, 0, :, mask.shape[-1] - tokens :], dim1=-2, dim2=-1)  # [B or 1, T]
     allowed = own if own.dtype == torch.bool else own > attention_ops.MASKED_BELOW
