@@ -121,21 +121,35 @@ def search_scale(
     return best_scale
 
 
+def gptq_factors(hessian: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(factor, order)`` of GPTQ's rounding for channel weightings ``hessian`` ``[..., K, K]``.
+
+    ``order``: the channels by decreasing weight (the heaviest are rounded
+    first, with the most channels left to take their error); ``factor``: the
+    upper Cholesky factor of ``(H + damping * mean(diag H) * I)^-1`` in that
+    order, float32. A channel of weight 0 gets weight 1 (never active: its
+    rounding cannot matter). Used by :func:`gptq_round` (one weight's ``[K, K]``)
+    and the FP8 KV cache's compensated key rounding (``[H_kv, D, D]``).
+    """
+    h = hessian.detach().to(torch.float64).clone()
+    diagonal = torch.diagonal(h, dim1=-2, dim2=-1)
+    diagonal.copy_(torch.where(diagonal == 0, 1.0, diagonal))
+    order = torch.argsort(diagonal, dim=-1, descending=True)
+    k = h.shape[-1]
+    h = h.gather(-2, order[..., :, None].expand(h.shape)).gather(-1, order[..., None, :].expand(h.shape))
+    h = h + damping * torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)[..., None, None] * torch.eye(k, dtype=h.dtype)
+    factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).to(torch.float32)
+    return factor, order
+
+
 def gptq_round(
     weight: torch.Tensor, hessian: torch.Tensor, full_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """Error-compensating rounding of ``weight`` to ``full_scale * FP8`` values; returns the FP8 codes ``[N, K]``."""
     w = weight.detach().to(torch.float32).clone()
-    n, k = w.shape
-    h = hessian.detach().to(torch.float64).clone()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0  # a column never active: its rounding cannot matter
-    order = torch.argsort(torch.diag(h), descending=True)
-    h = h[order][:, order]
+    hinv, order = gptq_factors(hessian, GPTQ_DAMPING)
     w = w[:, order]
     scale = full_scale.to(torch.float32)[:, order].contiguous()
-    h += GPTQ_DAMPING * torch.mean(torch.diag(h)) * torch.eye(k, dtype=h.dtype)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).to(torch.float32)
 
     with _one_thread():
         codes = _gptq_columns(w, scale, hinv, dtype)

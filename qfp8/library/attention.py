@@ -207,27 +207,6 @@ def compensated_cpu_kernel() -> bool:
     return _COMPENSATED_CPU_KERNEL
 
 
-def rounding_factors(hessian: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(factor, order)`` for :func:`fp8_compensated_quantize` from a channel weighting ``hessian`` ``[H, D, D]``.
-
-    ``order``: each head's channels by decreasing weight (the heaviest are
-    rounded first, with the most channels left to take their error);
-    ``factor``: upper Cholesky factor of ``(H + damping * mean(diag H) * I)^-1``
-    in that order, float32. A channel of weight 0 gets weight 1 (its
-    rounding cannot matter).
-    """
-    h = hessian.detach().to(torch.float64).clone()
-    heads, dim = h.shape[0], h.shape[-1]
-    diagonal = torch.diagonal(h, dim1=-2, dim2=-1)
-    diagonal.copy_(torch.where(diagonal > 0, diagonal, 1.0))
-    order = torch.argsort(diagonal, dim=-1, descending=True)
-    h = h.gather(1, order[:, :, None].expand(heads, dim, dim)).gather(2, order[:, None, :].expand(heads, dim, dim))
-    eye = torch.eye(dim, dtype=h.dtype, device=h.device)
-    h = h + damping * torch.diagonal(h, dim1=-2, dim2=-1).mean(-1)[:, None, None] * eye
-    factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    return factor.to(torch.float32).contiguous(), order.contiguous()
-
-
 def fp8_compensated_quantize(states, scale, factor, order, dtype):
     """Checked call of ``torch.ops.qfp8.fp8_compensated_quantize`` (``ValueError`` naming the sizes)."""
     if states.dim() != 4:

@@ -91,7 +91,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer
 
-from qfp8 import formats
+from qfp8 import formats, rounding
 from qfp8.library import attention as attention_ops
 from qfp8.nn.attention import PACKED_SDPA, packed_sdpa
 from qfp8.nn.qlinear import keep_buffer_dtypes
@@ -135,13 +135,13 @@ def set_k_rounding(attention: nn.Module, hessian: torch.Tensor | None) -> None:
     if asymmetry > 1e-4 * float(h.abs().max()):
         raise ValueError(f"k_rounding_hessian is not symmetric (entries differ from their mirror by {asymmetry:.3g})")
     try:
-        factor, order = attention_ops.rounding_factors(h, KV_ROUNDING_DAMPING)
+        factor, order = rounding.gptq_factors(h, KV_ROUNDING_DAMPING)
     except torch.linalg.LinAlgError:
         raise ValueError("k_rounding_hessian is not positive semidefinite (not a second moment)") from None
     attention_ops.compensated_cpu_kernel()  # known before any compiled step reads it
     with torch.inference_mode(False):  # normal tensors even when calibrating under inference mode
         attention.k_rounding_hessian = h.clone()
-        attention.k_rounding_factor = factor.clone()
+        attention.k_rounding_factor = factor.contiguous().clone()  # contiguous: the kernel would copy it per call
         attention.k_rounding_order = order.clone()
 
 

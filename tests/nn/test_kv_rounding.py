@@ -16,7 +16,7 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import qfp8
-from qfp8 import formats
+from qfp8 import formats, rounding
 from qfp8.library import attention as ops
 from qfp8.library import cpu
 from qfp8.library.testing import opcheck
@@ -60,7 +60,7 @@ def _per_tensor_scale(x, dtype):
 def test_compensated_rounding_beats_round_to_nearest_in_the_weighted_error(dtype):
     x = _states()
     hessian = _query_moment()
-    factor, order = ops.rounding_factors(hessian, kvc.KV_ROUNDING_DAMPING)
+    factor, order = rounding.gptq_factors(hessian, kvc.KV_ROUNDING_DAMPING)
     scale = _per_tensor_scale(x, dtype)
     codes = ops.fp8_compensated_quantize(x, scale, factor, order, dtype)
     assert codes.dtype == dtype and codes.shape == x.shape
@@ -85,7 +85,7 @@ def test_cpu_kernel_matches_the_reference_bit_for_bit(dtype, per_head, tokens):
     x[1, 2, 7, 0] = float("inf")
     x[1, 0, 9, 4] = -1e6  # saturates
     hessian = _query_moment(seed=3)
-    factor, order = ops.rounding_factors(hessian, kvc.KV_ROUNDING_DAMPING)
+    factor, order = rounding.gptq_factors(hessian, kvc.KV_ROUNDING_DAMPING)
     finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
     scale = _per_tensor_scale(finite, dtype)
     if per_head:
@@ -116,15 +116,15 @@ def test_uncorrelated_channels_round_to_nearest(dtype):
     # A diagonal H: an error on one channel says nothing about the others, so nothing is fed forward.
     x = _states(seed=4)
     hessian = torch.diag_embed(torch.rand(3, 32, generator=torch.Generator().manual_seed(5)) + 0.5)
-    factor, order = ops.rounding_factors(hessian, kvc.KV_ROUNDING_DAMPING)
+    factor, order = rounding.gptq_factors(hessian, kvc.KV_ROUNDING_DAMPING)
     scale = _per_tensor_scale(x, dtype)
     codes = ops.fp8_compensated_quantize(x, scale, factor, order, dtype)
     assert torch.equal(codes.view(torch.uint8), kvc.quantize_kv(x, scale, dtype).view(torch.uint8))
 
 
-def test_rounding_factors_order_heavy_channels_first():
+def test_gptq_factors_order_heavy_channels_first():
     hessian = _query_moment(heads=2, dim=16)
-    factor, order = ops.rounding_factors(hessian, 0.01)
+    factor, order = rounding.gptq_factors(hessian, 0.01)
     assert factor.dtype == torch.float32 and order.dtype == torch.int64
     diagonal = torch.diagonal(hessian, dim1=-2, dim2=-1)
     assert torch.equal(order, torch.argsort(diagonal, dim=-1, descending=True))
@@ -138,7 +138,7 @@ def test_rounding_factors_order_heavy_channels_first():
 
 def test_bad_arguments_are_refused_with_sizes():
     x = _states()
-    factor, order = ops.rounding_factors(_query_moment(), 0.01)
+    factor, order = rounding.gptq_factors(_query_moment(), 0.01)
     scale = torch.ones(1)
     with pytest.raises(ValueError, match=r"states must be \[B, H, T, D\], got \[3, 40, 32\]"):
         ops.fp8_compensated_quantize(x[0], scale, factor, order, torch.float8_e4m3fn)
@@ -159,14 +159,14 @@ def test_opcheck():
     # schema, fake tensor and AOT dispatch checks (FP8 output: qfp8's opcheck). With a grad-requiring input,
     # torch's AOT check sums the FP8 output, which torch cannot: the straight-through gradient has its own test.
     x = _states(shape=(1, 3, 9, 32))
-    factor, order = ops.rounding_factors(_query_moment(), 0.01)
+    factor, order = rounding.gptq_factors(_query_moment(), 0.01)
     scale = _per_tensor_scale(x, torch.float8_e4m3fn)
     opcheck(torch.ops.qfp8.fp8_compensated_quantize.default, (x, scale, factor, order, torch.float8_e4m3fn))
 
 
 def test_op_compiles_without_graph_breaks():
     x = _states()
-    factor, order = ops.rounding_factors(_query_moment(), 0.01)
+    factor, order = rounding.gptq_factors(_query_moment(), 0.01)
     scale = _per_tensor_scale(x, torch.float8_e4m3fn)
 
     def fn(x):
