@@ -690,11 +690,11 @@ class Float8KVAttentionMixin:
         self._kv_rows = ([], [])
         self._query_moment = None
 
-    def _record_queries(self, query: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    def _record_queries(self, query: torch.Tensor) -> None:
         """Adds ``q q^T`` of every finite query row ``[B, Hq, T, D]`` of a real token to its KV head's sum (float64).
 
-        A query is a padded position's when the mask (``[B, 1, T, S]``, bool or additive, the last ``T`` key
-        positions being the queries' own) does not let it attend to its own position.
+        A query is a padded position's when the layer's mask (``_calibration_mask``, ``[B, 1, T, S]``, bool or
+        additive, the last ``T`` key positions being the queries' own) does not let it attend to its own position.
         """
         batch, heads, tokens, dim = query.shape
         groups = getattr(self, "num_key_value_groups", None)
@@ -704,7 +704,7 @@ class Float8KVAttentionMixin:
         # Query head j reads KV head j // (heads / kv_heads) (transformers' repeat_kv).
         rows = query.detach().to(torch.float64).reshape(batch, kv_heads, -1, tokens, dim)
         keep = torch.isfinite(rows).all(-1, keepdim=True)  # [B, Hkv, G, T, 1]
-        real = _real_queries(attention_mask, batch, tokens)
+        real = _real_queries(getattr(self, "_calibration_mask", None), batch, tokens)
         if real is not None:
             keep = keep & real[:, None, None, :, None]
         rows = rows.transpose(0, 1).reshape(kv_heads, -1, dim)
@@ -910,7 +910,7 @@ def _fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     """
     layer = kwargs.pop("qfp8_kv_layer", None)
     if getattr(module, "qfp8_kv_calibrating", False) and getattr(module, "qfp8_kv_compensate", False):
-        module._record_queries(query, attention_mask)
+        module._record_queries(query)
     if layer is not None and key.dtype in KV_CACHE_DTYPES:
         mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
         if query.shape[2] == 1 and not dropout and kwargs.get("softcap") is None and mask_ok:
@@ -920,6 +920,17 @@ def _fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
             return out.transpose(1, 2).contiguous(), None
         key, value = layer.dequantized(key, value)
     return packed_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _select_fused_attention(config) -> str | None:
+    """Switches ``config`` from sdpa (or :data:`PACKED_SDPA`) to :data:`FUSED_ATTENTION`; returns the
+    implementation it replaced, or None when it left another one alone."""
+    before = getattr(config, "_attn_implementation", None)
+    if before not in ("sdpa", PACKED_SDPA):
+        return None
+    _register_fused_attention()
+    config._attn_implementation = FUSED_ATTENTION
+    return before
 
 
 def _register_fused_attention() -> None:
@@ -935,12 +946,10 @@ def fused_attention_on(config):
     """Within the block, ``config`` (of an sdpa model) selects :data:`FUSED_ATTENTION`, which records the queries
     compensated key rounding needs: for layers calibrated on their own, outside a model that
     :func:`enable_fp8_kv_cache` switched. Other attention implementations are left as they are."""
-    before = getattr(config, "_attn_implementation", None)
-    if before not in ("sdpa", PACKED_SDPA):
+    before = _select_fused_attention(config)
+    if before is None:
         yield
         return
-    _register_fused_attention()
-    config._attn_implementation = FUSED_ATTENTION
     try:
         yield
     finally:
@@ -1060,10 +1069,8 @@ def enable_fp8_kv_cache(
     model.qfp8_kv_cache_dtype = dtype
     config = getattr(model, "config", None)
     attention = getattr(config, "_attn_implementation", None)
-    if fused_attention and attention in ("sdpa", PACKED_SDPA):
-        _register_fused_attention()
-        model._qfp8_attention_before_fused = attention
-        config._attn_implementation = FUSED_ATTENTION
+    if fused_attention and (before := _select_fused_attention(config)) is not None:
+        model._qfp8_attention_before_fused = before
     elif not fused_attention and attention == FUSED_ATTENTION:  # enabled before with the fused path: switch back
         config._attn_implementation = getattr(model, "_qfp8_attention_before_fused", "sdpa")
     return list(modules)
