@@ -395,7 +395,32 @@ def model_config_dict(model: nn.Module) -> dict:
     )
     if float_dtype is not None:
         as_dict["dtype"] = str(float_dtype).removeprefix("torch.")
+    _add_transformers4_keys(type(config), as_dict)
     return as_dict
+
+
+def _add_transformers4_keys(config_class: type, as_dict: dict) -> None:
+    """Adds the keys transformers 4 reads where transformers 5 writes others, with the same values.
+
+    vLLM runs on transformers 4, whose config classes fill a missing key with
+    their default: without ``rope_theta`` a Llama-3 checkpoint would run with
+    RoPE base 10000 instead of 500000, without ``num_experts`` a Qwen3-MoE one
+    with 128 experts. transformers 5 reads these keys as aliases of its own.
+    """
+    rope = as_dict.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):  # one set per layer type (Gemma 3)
+        if isinstance(rope.get("sliding_attention"), dict) and "rope_theta" in rope["sliding_attention"]:
+            as_dict.setdefault("rope_local_base_freq", rope["sliding_attention"]["rope_theta"])
+        rope = rope["full_attention"]
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        as_dict.setdefault("rope_theta", rope["rope_theta"])
+        if "partial_rotary_factor" in rope:
+            as_dict.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        as_dict.setdefault("rope_scaling", None if scaling.get("rope_type", "default") == "default" else scaling)
+    for alias, name in getattr(config_class, "attribute_map", {}).items():  # e.g. num_experts -> num_local_experts
+        if name in as_dict and alias not in as_dict:
+            as_dict[alias] = as_dict[name]
 
 
 def save_pretrained(

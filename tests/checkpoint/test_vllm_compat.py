@@ -331,3 +331,54 @@ def test_an_uncalibrated_kv_cache_is_written_dynamic_with_a_warning(tiny, tmp_pa
         model(x)
     assert save(model, tmp_path / "static") == []
     assert quantization_config(tmp_path / "static")["kv_cache_scheme"]["dynamic"] is False
+
+
+# ------------------------------------------------------------ config.json keys transformers 4 reads
+
+
+def test_config_keeps_the_keys_transformers_4_reads(tiny, tmp_path):
+    """vLLM pins transformers < 5, whose configs read ``rope_theta``/``rope_scaling`` and ``num_experts``.
+
+    transformers 5 writes ``rope_parameters`` and ``num_local_experts`` instead; transformers 4 then fills the
+    missing keys with its defaults (RoPE base 10000, 128 experts) with no error. The values written must be the
+    model's, and transformers 5 must still read the file back as it was (checked by hand with transformers 4.56.2:
+    rope_theta 500000, the llama3 scaling, num_experts 8).
+    """
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+    model = tiny.model(rope_parameters=rope)
+    qfp8.quantize(model)
+    save(model, tmp_path / "llama")
+    written = json.loads((tmp_path / "llama" / "config.json").read_text())
+    assert written["rope_theta"] == 500000.0
+    assert written["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert transformers_config(tmp_path / "llama").rope_parameters == model.config.rope_parameters
+    reloaded = qfp8.from_pretrained(tmp_path / "llama")
+    assert reloaded.config.rope_parameters == model.config.rope_parameters
+
+    plain = tiny.model()  # default RoPE: no scaling, and transformers 4's rope_scaling is then null
+    qfp8.quantize(plain)
+    save(plain, tmp_path / "plain")
+    written = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert written["rope_theta"] == plain.config.rope_parameters["rope_theta"] and written["rope_scaling"] is None
+
+    transformers = pytest.importorskip("transformers")
+    moe_config = transformers.Qwen3MoeConfig(
+        **{k: v for k, v in tiny.sizes.items() if k != "intermediate_size"},
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    moe = transformers.AutoModelForCausalLM.from_config(moe_config).eval()
+    qfp8.quantize(moe)
+    save(moe, tmp_path / "moe")
+    written = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert written["num_experts"] == written["num_local_experts"] == 4
+    assert transformers_config(tmp_path / "moe").num_local_experts == 4
+
+
+def transformers_config(path):
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(path)
