@@ -44,9 +44,55 @@ def check_source_path(path: str) -> None:
         raise FileNotFoundError(f"{path}: no such file or folder (taken as a local path, not a Hub repo id)")
 
 
+class SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser. An option taking any number of values (``nargs="*"`` or ``"+"``, as
+    ``--exclude``) also takes the positional arguments written after it (``--exclude lm_head SRC DST``), and
+    argparse then says only that they are missing: this says which option took them, and how to write it."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.given = list(sys.argv[1:] if args is None else args)  # the subcommand's own arguments
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        if message.startswith("the following arguments are required"):
+            message += self.greedy_option_hint()
+        super().error(message)
+
+    def greedy_option_hint(self) -> str:
+        """Which options of any number of values took values ('' when none did), and how to write the line."""
+        greedy = {
+            option: action
+            for action in self._actions
+            if action.option_strings and action.nargs in ("*", "+")
+            for option in action.option_strings
+        }
+        positionals = " ".join(action.dest for action in self._actions if not action.option_strings)
+        given = getattr(self, "given", [])
+        took = []
+        for i, arg in enumerate(given):
+            if arg == "--":
+                break
+            # argparse also takes a unique prefix of a long option (--excl)
+            actions = {
+                greedy[o] for o in greedy if o == arg or (self.allow_abbrev and len(arg) > 2 and o.startswith(arg))
+            }
+            values = []
+            for value in given[i + 1 :]:
+                if value.startswith("-"):
+                    break
+                values.append(value)
+            if len(actions) == 1 and values:
+                took.append(
+                    f"{arg} took {', '.join(map(repr, values))} as its values: write {positionals} before {arg}"
+                )
+        if not took:
+            return ""
+        return f" ({'; '.join(took)}, or end its values with --)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qfp8", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
     modules = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=help_text)

@@ -13,12 +13,14 @@ import copy
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import qfp8
 from qfp8 import evaluate
+from qfp8.checkpoint.layerwise import TOKENIZER_FILES
 
 # name -> qfp8.quantize arguments (None: the bf16 model itself)
 SCHEMES: dict[str, dict | None] = {
@@ -52,6 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="tiny run for tests: 4 tokens, one 64-token window (options given win)"
     )
     parser.add_argument("--json", default=None, help="also write the results here")
+
+
+def check_tokenizer(model: str | os.PathLike) -> None:
+    """A ValueError naming the folder ``model`` when it is a Hugging Face folder (config.json) without tokenizer
+    files: transformers would build an empty tokenizer from the config (GPT-2's: no token for any text) or fail
+    with a message that does not say so. A .gguf file or folder carries its own tokenizer."""
+    folder = Path(model)
+    if not (folder / "config.json").is_file() or any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return
+    raise ValueError(
+        f"demo: --model {model}: the folder has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); the demo "
+        "tokenizes its prompt and perplexity text with it: add the model's tokenizer files to the folder"
+    )
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -135,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"demo: --json {args.json} is a folder; give a file path")
         if not os.path.isdir(os.path.dirname(target)):
             raise FileNotFoundError(f"demo: --json {args.json}: the folder {os.path.dirname(target)} does not exist")
+    if args.model is not None:
+        check_tokenizer(args.model)
     defaults = QUICK_DEFAULTS if args.quick else DEFAULTS
     for option, value in defaults.items():  # what the user gave wins over --quick
         if getattr(args, option) is None:

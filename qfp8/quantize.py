@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -16,11 +17,17 @@ from torch.nn.utils.weight_norm import WeightNorm  # the hook class (torch.nn.ut
 from qfp8 import formats, rounding
 from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_fp8_experts
+from qfp8.nn.qlinear import TRANSFORMERS_SAVE_REFUSED
 
 KV_CACHE_DTYPES = (None, "float8_e4m3fn", "float8_e5m2")
 # The default ``exclude``: by identity, a model without ``lm_head`` gets no
 # "pattern matches nothing" warning for it (a user-given pattern does).
 DEFAULT_EXCLUDE = ("lm_head",)
+# nn.Linears kept in float whatever ``exclude`` says, as MoE routers are (transformers' routers are no
+# nn.Linear, so quantize never takes them): Qwen2-MoE's shared_expert_gate, a Linear(hidden, 1) that scales
+# the shared expert's output, which vLLM builds as a plain torch.nn.Linear with no slot for a weight_scale
+# (a quantized one makes its loader fail) and which is too small for FP8 to save anything.
+FLOAT_LINEARS = {"shared_expert_gate": "a MoE gate, kept in float as the routers are (vLLM builds it unquantized)"}
 # A Linear's hook dicts that move, as they are, to the QLinear that replaces it:
 # the same dict objects, so the RemovableHandles already given out still
 # remove the hooks. Each main dict comes with the dicts its handles also name.
@@ -150,6 +157,11 @@ def excluded_by(name: str, patterns) -> str | None:
         if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern):
             return pattern
     return None
+
+
+def float_linear_reason(name: str) -> str | None:
+    """Why the nn.Linear ``name`` stays in float whatever ``exclude`` says (:data:`FLOAT_LINEARS`), or None."""
+    return FLOAT_LINEARS.get(name.rpartition(".")[2])
 
 
 # nn.Linear subclasses whose own forward computes exactly F.linear(x, weight, bias) (read from their source).
@@ -288,6 +300,23 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside torch.compile's and (Distributed)DataParallel's wrappers.
+
+    A wrapper's names prefix every module (``_orig_mod.``, ``module.``): a
+    checkpoint written with them matches no model.
+    """
+    while True:
+        if "torch._dynamo" in sys.modules and isinstance(
+            model, sys.modules["torch._dynamo"].eval_frame.OptimizedModule
+        ):
+            model = model._orig_mod
+        elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        else:
+            return model
+
+
 def quantize(
     model: nn.Module,
     weights: str | None = "float8_e4m3fn",
@@ -321,7 +350,9 @@ def quantize(
     (None: none); a pattern you give that matches no ``nn.Linear`` is warned
     about. A Linear whose weight is the same Parameter as that of a module
     kept in float (a tied ``lm_head`` and its embedding) stays in float, with
-    a warning. Hooks registered on a Linear move to its QLinear. A refused
+    a warning. A MoE gate that is an nn.Linear (Qwen2-MoE's ``shared_expert_gate``) stays in float
+    whatever ``exclude`` says, as the routers do (:data:`FLOAT_LINEARS`). Hooks registered on a Linear
+    move to its QLinear. A refused
     call (ValueError) leaves the model as it was.
 
     Fused MoE experts (transformers' 3-D ``experts.gate_up_proj`` /
@@ -335,6 +366,7 @@ def quantize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize takes an nn.Module, got {type(model).__name__}")
+    outer, model = model, unwrapped(model)  # the report's names and the model's attributes: the wrapped model's
     if isinstance(model, nn.Linear) and not isinstance(model, QLinear):
         raise ValueError(
             f"quantize: the model is itself an nn.Linear ({model.in_features} -> {model.out_features}), which "
@@ -351,7 +383,7 @@ def quantize(
         from qfp8.nn.kv_cache import enable_fp8_kv_cache
 
         enable_fp8_kv_cache(model, formats.fp8_dtype(kv_cache))
-        return QuantizeResult(model, QuantizeReport())
+        return QuantizeResult(outer, QuantizeReport())
     scheme = QuantizationScheme.from_args(weights, weight_scale, activations, activation_scale, block_size)
     rounding.check_mode(accuracy)
     user_patterns = exclude is not DEFAULT_EXCLUDE
@@ -384,7 +416,9 @@ def quantize(
             continue
         entry = ReportEntry(name, module.in_features, module.out_features, quantized=False)
         pattern = excluded_by(name, exclude)
-        entry.reason = f"excluded by pattern {pattern!r}" if pattern else (_skip_reason(module) or "")
+        entry.reason = (
+            f"excluded by pattern {pattern!r}" if pattern else (float_linear_reason(name) or _skip_reason(module) or "")
+        )
         entry.quantized = not entry.reason
         planned[id(module)] = entry
         report.entries.append(entry)
@@ -501,7 +535,7 @@ def quantize(
     if report.quantized:
         guard_transformers_save(model)
     _return_freed_memory()
-    return QuantizeResult(model, report)
+    return QuantizeResult(outer, report)
 
 
 def _return_freed_memory() -> None:
@@ -524,11 +558,7 @@ class TransformersSaveRefused:
     """
 
     def __call__(self, *args, **kwargs):
-        raise RuntimeError(
-            "this model's linear layers are FP8 (qfp8): transformers' model.save_pretrained would write their "
-            "bytes without a quantization config, which loads back as garbage weights; use "
-            "qfp8.save_pretrained(model, directory) (compressed-tensors: transformers and vLLM load it)"
-        )
+        raise RuntimeError(TRANSFORMERS_SAVE_REFUSED)
 
 
 def guard_transformers_save(model: nn.Module) -> None:

@@ -1,5 +1,6 @@
 """``python -m qfp8``: user errors as one line (status 2), mistyped local paths, sliding-window KV cache."""
 
+import json
 import os
 import subprocess
 import sys
@@ -229,15 +230,36 @@ def folder_with_tokenizer(float_folder, tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("case", ["json-is-a-folder", "json-folder-missing", "no-schemes", "empty-prompt"])
-def test_demo_argument_errors_come_before_the_work(folder_with_tokenizer, tmp_path, monkeypatch, capsys, case):
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    """A tiny float GPT-2 checkpoint (its weights are transformers' Conv1D, not nn.Linear) without a tokenizer."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    folder = tmp_path_factory.mktemp("gpt2")
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["json-is-a-folder", "json-folder-missing", "no-schemes", "empty-prompt", "no-tokenizer", "gpt2-no-tokenizer"],
+)
+def test_demo_argument_errors_come_before_the_work(
+    folder_with_tokenizer, float_folder, gpt2_folder, tmp_path, monkeypatch, capsys, case
+):
     monkeypatch.delenv("QFP8_TRACEBACK", raising=False)
-    args = ["demo", "--model", folder_with_tokenizer, "--quick", "--schemes", "bf16"]
+    model = {"no-tokenizer": float_folder, "gpt2-no-tokenizer": gpt2_folder}.get(case, folder_with_tokenizer)
+    args = ["demo", "--model", model, "--quick", "--schemes", "bf16"]
     expected = {
         "json-is-a-folder": f"--json {tmp_path} is a folder",
         "json-folder-missing": f"the folder {tmp_path / 'nowhere'} does not exist",
         "no-schemes": "--schemes names no scheme",
         "empty-prompt": "--prompt gives no tokens",
+        # transformers builds GPT-2's tokenizer from config.json alone: it gave no token for the prompt
+        "no-tokenizer": f"--model {model}: the folder has no tokenizer (none of tokenizer.json, ",
+        "gpt2-no-tokenizer": f"--model {model}: the folder has no tokenizer (none of tokenizer.json, ",
     }[case]
     if case == "json-is-a-folder":
         args += ["--json", tmp_path]
@@ -245,7 +267,7 @@ def test_demo_argument_errors_come_before_the_work(folder_with_tokenizer, tmp_pa
         args += ["--json", tmp_path / "nowhere" / "out.json"]
     elif case == "no-schemes":
         args[-1] = ","
-    else:
+    elif case == "empty-prompt":
         args += ["--prompt", ""]
     loaded = []
     if case != "empty-prompt":  # these are refused before the model is loaded
@@ -264,6 +286,26 @@ def test_demo_argument_errors_come_before_the_work(folder_with_tokenizer, tmp_pa
         (["--activations", "static", "--activation-scale", "token"], "(static input scales are per tensor)"),
         (["--calibration-tokens", "64"], "--calibration-tokens: nothing to calibrate"),
         (["--kv-cache", "float8_e4m3fn", "--calibration", "a.txt", "--calibration-ids", "b.txt"], "not both"),
+        # --calibration-ids are used whole: a token count was silently ignored ("calibrated on 512 tokens")
+        *(
+            (
+                ["--activations", "static", "--calibration-ids", "ids.txt", "--calibration-tokens", n],
+                "--calibration-tokens applies to calibration text, not --calibration-ids",
+            )
+            for n in ("64", "100000")
+        ),
+        # a count below 2 is refused whatever else is given (it was accepted with --calibration-ids)
+        *(
+            (options, f"--calibration-tokens must be at least 2 (tokens of calibration text), got {n}")
+            for n in ("0", "-5", "1")
+            for options in (
+                ["--activations", "static", "--calibration-tokens", n],
+                ["--kv-cache", "float8_e4m3fn", "--calibration", "a.txt", "--calibration-tokens", n],
+                ["--activations", "static", "--calibration-ids", "ids.txt", "--calibration-tokens", n],
+                ["--calibration-tokens", n],
+            )
+        ),
+        (["--accuracy", "gptq", "--calibration-batch-size", "0"], "--calibration-batch-size must be at least 1, got 0"),
     ],
 )
 def test_quantize_refuses_options_it_would_ignore(float_folder, tmp_path, monkeypatch, capsys, options, message):
@@ -271,3 +313,100 @@ def test_quantize_refuses_options_it_would_ignore(float_folder, tmp_path, monkey
     status, err = command_line(monkeypatch, capsys, "quantize", float_folder, tmp_path / "out", *options)
     assert status == 2 and err.startswith("qfp8 quantize: error: ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["gpt2-conv1d", "all-excluded", "head-only"])
+def test_quantize_refuses_a_model_with_nothing_to_quantize(
+    float_folder, gpt2_folder, tmp_path, monkeypatch, capsys, case
+):
+    """GPT-2's weights are Conv1D: the CLI had written a float checkpoint labelled compressed-tensors (empty
+    config_groups), saying only "0 linear layers quantized"; it is refused before anything is written."""
+    monkeypatch.delenv("QFP8_TRACEBACK", raising=False)
+    dst = tmp_path / "out"
+    if case == "gpt2-conv1d":
+        args, expected = (
+            [gpt2_folder, dst],
+            (
+                f"qfp8 quantize: error: {gpt2_folder}: nothing to quantize in GPT2LMHeadModel: every nn.Linear of it "
+                "is kept in float (1 excluded by the default --exclude lm_head); Conv1D layers have weights but qfp8 "
+                "quantizes nn.Linear (and fused MoE experts) only; no checkpoint written\n"
+            ),
+        )
+    elif case == "all-excluded":
+        args, expected = (
+            [float_folder, dst, "--exclude", "lm_head", "*_proj"],
+            (
+                f"qfp8 quantize: error: {float_folder}: nothing to quantize in LlamaForCausalLM: every nn.Linear of it "
+                "is kept in float (7 excluded by --exclude *_proj; 1 excluded by --exclude lm_head); give --exclude "
+                "patterns that leave some to quantize; no checkpoint written\n"
+            ),
+        )
+    else:  # the head alone, at the default exclusion
+        args, expected = [float_folder, dst, "--exclude", "*_proj"], None
+    status, err = command_line(monkeypatch, capsys, "quantize", *args, "--no-progress")
+    if expected is None:
+        assert status == 0 and (dst / "model.safetensors").is_file()
+        return
+    assert (status, err) == (2, expected)
+    assert not dst.exists()  # no half-written folder
+    with pytest.raises(ValueError, match="nothing to quantize"):
+        cli.main(["quantize", *map(str, args)])  # from Python: the exception itself
+
+
+def test_quantize_exclude_before_src_dst_says_what_it_took(float_folder, tmp_path, monkeypatch, capsys):
+    """``--exclude`` takes any number of patterns: before SRC DST it took them too, and argparse said only
+    "the following arguments are required: src, dst"."""
+    dst = tmp_path / "out"
+    with pytest.raises(SystemExit) as raised:
+        command_line(monkeypatch, capsys, "quantize", "--exclude", "lm_head", float_folder, dst)
+    assert raised.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "qfp8 quantize: error: the following arguments are required: src, dst (--exclude took 'lm_head', "
+        f"'{float_folder}', '{dst}' as its values: write src dst before --exclude, or end its values with --)"
+    )
+    with pytest.raises(SystemExit):  # SRC before, DST after: it took DST
+        command_line(monkeypatch, capsys, "quantize", float_folder, "--exclude", "lm_head", dst)
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(
+            "required: dst (--exclude took 'lm_head', "
+            f"'{dst}' as its values: write src dst before --exclude, or end its values with --)"
+        )
+    )
+    assert not dst.exists()
+    # The forms the message gives work: patterns after SRC DST, or ended by --.
+    for i, form in enumerate(
+        (
+            [float_folder, dst / "0", "--exclude", "lm_head", "*.down_proj"],
+            ["--exclude", "lm_head", "*.down_proj", "--", float_folder, dst / "1"],
+        )
+    ):
+        assert cli.main(["quantize", "--no-progress", *map(str, form)]) == 0
+        ignored = json.loads((dst / str(i) / "config.json").read_text())["quantization_config"]["ignore"]
+        assert sorted(ignored) == ["lm_head", "model.layers.0.mlp.down_proj"]
+
+
+def test_every_option_of_many_values_says_when_it_took_the_positionals(monkeypatch, capsys):
+    """Each subcommand's options taking any number of values (nargs "*" or "+"), now and to come."""
+    import argparse
+    import importlib
+
+    checked = []
+    for command, (module, _) in cli.SUBCOMMANDS.items():
+        parser = cli.SubcommandParser(prog=f"qfp8 {command}")
+        importlib.import_module(module).add_arguments(parser)
+        positionals = [
+            a.dest for a in parser._actions if not a.option_strings and a.nargs in (None, argparse.ONE_OR_MORE)
+        ]
+        for action in parser._actions:
+            if not positionals or not action.option_strings or action.nargs not in ("*", "+"):
+                continue
+            option = action.option_strings[-1]
+            values = ["x", *(f"{name}-value" for name in positionals)]
+            with pytest.raises(SystemExit):
+                command_line(monkeypatch, capsys, command, option, *values)
+            hint = f"({option} took {', '.join(map(repr, values))} as its values: write {' '.join(positionals)} before"
+            assert hint in capsys.readouterr().err
+            checked.append((command, option))
+    assert ("quantize", "--exclude") in checked

@@ -243,6 +243,7 @@ def build_skeleton(model: nn.Module, schemes: dict[str, QuantizationScheme]) -> 
             dtype=module.weight.dtype,
             device=torch.device("meta"),
         )
+        qlinear.label = name  # error messages name the module
         if scheme.activations == "static":
             qlinear.input_scale = torch.ones(1, device="meta")  # a slot for the stored scale
         for alias in aliases[id(module)]:

@@ -22,7 +22,7 @@ memory, plus the hidden states of the calibration tokens. The text is
 without special tokens; its first ``--calibration-tokens`` (512, or 8,192
 with ``--accuracy``) tokens are cut into rows of up to 512, run as one batch
 (or ``--calibration-batch-size`` rows at a time). ``--calibration-ids FILE``
-gives token ids instead. The scales (``input_scale``, ``k_scale``/``v_scale``,
+gives token ids instead, used whole. The scales (``input_scale``, ``k_scale``/``v_scale``,
 float32 ``[1]``) are the ones ``qfp8.quantize`` + ``qfp8.calibrate`` over the
 same batches on the whole model followed by ``qfp8.save_pretrained`` write,
 bit for bit. Each
@@ -51,6 +51,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -71,7 +72,14 @@ from qfp8.checkpoint.writer import (
 )
 from qfp8.nn.experts import find_fused_experts, scheme_reason
 from qfp8.nn.scheme import QuantizationScheme
-from qfp8.quantize import DEFAULT_EXCLUDE, KV_CACHE_DTYPES, exclude_patterns, excluded_by, unmatched_exclude_notes
+from qfp8.quantize import (
+    DEFAULT_EXCLUDE,
+    KV_CACHE_DTYPES,
+    exclude_patterns,
+    excluded_by,
+    float_linear_reason,
+    unmatched_exclude_notes,
+)
 
 CHUNK_ROWS = 1024  # rows quantized at once: bounds the float32 temporaries
 
@@ -112,10 +120,19 @@ def quantize_rows(weight: torch.Tensor, scale: torch.Tensor, scheme: Quantizatio
     return out
 
 
-def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, tuple[str, list[str]]]]:
-    """The checkpoint names of the model's ``nn.Linear`` modules, and of its fused experts' parts (each
-    mapped to the model name of its fused parameter and the parts of its expert, e.g.
-    ``...experts.0.w1`` -> ``("...experts.gate_up_proj", ["...experts.0.w1", "...experts.0.w3"])``)."""
+class ModelLinears(NamedTuple):
+    """What :func:`_linear_names` finds in the model config.json describes."""
+
+    linears: list[str]  # the checkpoint names of its nn.Linear modules
+    # its fused experts' parts, each mapped to the model name of its fused parameter and the parts of its
+    # expert, e.g. ``...experts.0.w1`` -> ``("...experts.gate_up_proj", ["...experts.0.w1", "...experts.0.w3"])``
+    expert_parts: dict[str, tuple[str, list[str]]]
+    model_name: str  # the class built, e.g. "GPT2LMHeadModel"
+    other_kinds: list[str]  # classes of other modules holding float matrix weights (GPT-2's Conv1D), kept in float
+
+
+def _linear_names(config_dir: Path) -> ModelLinears:
+    """The model's ``nn.Linear`` modules and fused experts, from a meta-device build of its class."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(config_dir)
@@ -128,10 +145,43 @@ def _linear_names(config_dir: Path) -> tuple[list[str], dict[str, tuple[str, lis
         if isinstance(m, torch.nn.Linear)
     ]
     parts = {}
-    for item in find_fused_experts(model):
+    fused = find_fused_experts(model)
+    for item in fused:
         for expert in names.expert_modules(item.name, item.module._parameters[item.attr].shape[0]) or ():
             parts.update((part, (item.name, expert)) for part in expert)
-    return linears, parts
+    handled = (torch.nn.Linear, torch.nn.Embedding)
+    fused_modules = {id(item.module) for item in fused}
+    others = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if not isinstance(m, handled)
+            and id(m) not in fused_modules
+            and any(p.dim() >= 2 and p.is_floating_point() for p in m.parameters(recurse=False))
+        }
+    )
+    return ModelLinears(linears, parts, type(model).__name__, others)
+
+
+def _nothing_quantized(model: ModelLinears, reasons: dict[str, str], user_patterns: bool) -> str:
+    """Why no weight of ``model`` is quantized (``reasons``: why each of its Linears and expert parts is kept
+    in float), for the error that refuses to write such a checkpoint."""
+    if not reasons:
+        why = "it has no nn.Linear"
+    else:
+        counts: dict[str, int] = {}
+        for reason in reasons.values():
+            counts[reason] = counts.get(reason, 0) + 1
+        kept = "; ".join(f"{count} {reason}" for reason, count in counts.items())
+        why = f"every nn.Linear of it is kept in float ({kept})"
+        if user_patterns and all(reason.startswith("excluded by --exclude") for reason in reasons.values()):
+            why += "; give --exclude patterns that leave some to quantize"
+    if model.other_kinds:  # GPT-2's Conv1D, for one
+        why += (
+            f"; {', '.join(model.other_kinds)} layers have weights but qfp8 quantizes nn.Linear (and fused MoE "
+            "experts) only"
+        )
+    return f"nothing to quantize in {model.model_name}: {why}; no checkpoint written"
 
 
 def _experts_kept_float(scheme: QuantizationScheme, accuracy: str | None, rows: int, parts: int) -> str:
@@ -190,6 +240,9 @@ def stream_quantize(
     see qfp8/rounding.py) chooses the FP8 weights from the same layer-by-layer
     calibration; they are held in memory until written. Otherwise the
     calibration arguments are not used.
+
+    A model with nothing to quantize (GPT-2, whose weights are ``Conv1D``; every
+    Linear excluded) is a ValueError saying why, before anything is written.
     """
     rounding.check_mode(accuracy)
     scheme = QuantizationScheme.from_args(weights, weight_scale_granularity, activations, activation_scale, block_size)
@@ -224,7 +277,8 @@ def stream_quantize(
             checkpoint.config.get("vocab_size") or sys.maxsize,
             checkpoint.config.get("max_position_embeddings"),
         )
-    linears, expert_parts = _linear_names(checkpoint.directory)
+    found = _linear_names(checkpoint.directory)
+    linears, expert_parts = found.linears, found.expert_parts
     user_patterns = exclude is not DEFAULT_EXCLUDE
     exclude = exclude_patterns(exclude)
     fused_names = sorted({fused for fused, _ in expert_parts.values()})
@@ -242,13 +296,23 @@ def stream_quantize(
         fused for name, (fused, _) in expert_parts.items() if excluded_by(name, exclude) or excluded_by(fused, exclude)
     }
     quantized, ignored = {}, []
+    reasons: dict[str, str] = {}  # why each one ignored is
     layers: dict[str, qconfig.Layer] = {}
+    by = "--exclude" if user_patterns else "the default --exclude"
     for name in linears:
         stored = plan.tensors.get(name + ".weight")
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
-        if stored is None or excluded_by(name, exclude) or len(shape) != 2:
+        pattern = excluded_by(name, exclude)
+        gate = float_linear_reason(name)  # a MoE gate: float, as quantize keeps it
+        if stored is None or pattern or gate or len(shape) != 2:
             ignored.append(name)  # excluded, or tied to another tensor and not stored
             layers[name] = (None, shape)
+            reasons[name] = (
+                f"excluded by {by} {pattern}" if pattern
+                else gate if gate
+                else "not stored in the checkpoint (tied to another tensor)" if stored is None
+                else f"stored as a {len(shape)}-D tensor"
+            )  # fmt: skip
             continue
         if not stored.file.info(stored.name).dtype.is_floating_point:
             raise ValueError(f"{stored.file.path}: {stored.name} is {stored.file.info(stored.name).dtype}, not float")
@@ -266,9 +330,12 @@ def stream_quantize(
             experts_reason = experts_reason or reason
             ignored.append(name)
             layers[name] = (None, shape)
+            reasons[name] = f"fused MoE experts part kept in float: {reason}" if reason else "excluded by --exclude"
         else:
             quantized[name] = scheme
             layers[name] = (scheme, shape)
+    if not quantized:  # a float checkpoint labelled compressed-tensors, with no scheme: refused before any work
+        raise ValueError(f"{checkpoint.directory}: {_nothing_quantized(found, reasons, user_patterns)}")
     if experts_reason:
         warnings.warn(f"qfp8 quantize: fused MoE experts are kept in float: {experts_reason}", stacklevel=2)
     kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
@@ -451,7 +518,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help=f"tokens of calibration text, cut into rows of up to 512 (a shorter remainder is dropped); default "
-        f"{layerwise.DEFAULT_TOKENS}, or {layerwise.ACCURACY_TOKENS} with --accuracy",
+        f"{layerwise.DEFAULT_TOKENS}, or {layerwise.ACCURACY_TOKENS} with --accuracy (not with --calibration-ids, "
+        "which are all used)",
     )
     parser.add_argument(
         "--calibration-batch-size", type=int, default=None, metavar="ROWS", help="rows run at a time (default: all)"
@@ -464,7 +532,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "layer (Llama family; same on-disk format)",
     )
     parser.add_argument(
-        "--exclude", nargs="*", default=None, help="fnmatch patterns of modules kept in float (default: lm_head)"
+        "--exclude",
+        nargs="*",
+        default=None,
+        metavar="PATTERN",
+        help="fnmatch patterns of modules kept in float (default: lm_head; none: a bare --exclude); it takes every "
+        "value after it, so write it after SRC DST (or end its patterns with --)",
     )
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE)
     parser.add_argument("--no-progress", action="store_true")
@@ -499,8 +572,19 @@ def check_option_combinations(args: argparse.Namespace) -> None:
             "--activation-scale applies to --activations dynamic"
             + (" (static input scales are per tensor)" if args.activations == "static" else "")
         )
+    if args.calibration_batch_size is not None and args.calibration_batch_size < 1:
+        raise ValueError(f"--calibration-batch-size must be at least 1, got {args.calibration_batch_size}")
+    if args.calibration_tokens is not None and args.calibration_tokens < 2:
+        raise ValueError(
+            f"--calibration-tokens must be at least 2 (tokens of calibration text), got {args.calibration_tokens}"
+        )
     if args.calibration is not None and args.calibration_ids is not None:
         raise ValueError("give --calibration (text) or --calibration-ids (token ids), not both")
+    if args.calibration_tokens is not None and args.calibration_ids is not None:
+        raise ValueError(
+            "--calibration-tokens applies to calibration text, not --calibration-ids (every id in the file is "
+            "used: give fewer ids to calibrate on fewer tokens)"
+        )
     needs_calibration = args.activations == "static" or args.kv_cache is not None or args.accuracy is not None
     given = [
         option

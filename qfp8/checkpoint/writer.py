@@ -34,7 +34,7 @@ from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames, split_rows
 from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, PlannedTensor, write_safetensors
 from qfp8.nn import QLinear
 from qfp8.nn.experts import QExperts, find_fused_experts
-from qfp8.quantize import check_calibrated
+from qfp8.quantize import check_calibrated, unwrapped
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INDEX_NAME = "model.safetensors.index.json"
@@ -395,8 +395,23 @@ def model_config_dict(model: nn.Module) -> dict:
     )
     if float_dtype is not None:
         as_dict["dtype"] = str(float_dtype).removeprefix("torch.")
+    if as_dict.get("tie_word_embeddings") and not _output_embeddings_tied(model):
+        # The lm_head was given its own weight (to quantize it): a reader
+        # would tie it to the embedding again, or refuse the FP8 head.
+        as_dict["tie_word_embeddings"] = False
     _add_transformers4_keys(type(config), as_dict)
     return as_dict
+
+
+def _output_embeddings_tied(model: nn.Module) -> bool:
+    """False when the model's output embeddings (a transformers model's lm_head) hold a weight of their own."""
+    try:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return True  # not a transformers model: its config says what it says
+    if head is None or embedding is None:
+        return True
+    return isinstance(head, nn.Linear) and head.weight is embedding.weight
 
 
 def _add_transformers4_keys(config_class: type, as_dict: dict) -> None:
@@ -450,6 +465,7 @@ def save_pretrained(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_pretrained takes an nn.Module, got {type(model).__name__}")
+    model = unwrapped(model)
     check_output_directory(directory, "save_pretrained")
     config = model_config_dict(model)
     layers = model_layers(model)
@@ -463,8 +479,11 @@ def save_pretrained(
     if config["quantization_config"]["kv_cache_scheme"] and config["quantization_config"]["kv_cache_scheme"]["dynamic"]:
         warnings.warn(
             "the FP8 KV cache is not calibrated: the checkpoint holds no k_scale/v_scale and its kv_cache_scheme is "
-            "written dynamic (qfp8 takes per-head scales from each prompt; vLLM, which reads only static scales, "
-            "uses 1.0). Run the model under qfp8.calibrate(model) before saving to write per-layer scales",
+            "written dynamic (qfp8 takes per-head scales from each prompt). vLLM then runs an FP8 KV cache with "
+            "scale 1.0 in every layer: a kv_cache_scheme makes its Attention layers store K and V in fp8 whatever "
+            "--kv-cache-dtype says, and with no k_scale/v_scale loaded (it reads static scales only) its "
+            "BaseKVCacheMethod uses 1.0. Run the model under qfp8.calibrate(model) before saving to write per-layer "
+            "scales",
             UserWarning,
             stacklevel=2,
         )

@@ -174,6 +174,33 @@ def take_expected(state_dict, prefix: str, expected: dict, missing_keys: list, e
     return loaded
 
 
+TRANSFORMERS_SAVE_REFUSED = (
+    "this model's linear layers are FP8 (qfp8): transformers' model.save_pretrained would write their "
+    "bytes without a quantization config, which loads back as garbage weights; use "
+    "qfp8.save_pretrained(model, directory) (compressed-tensors: transformers and vLLM load it)"
+)
+
+
+def _refuse_transformers_writer() -> None:
+    """Raises when transformers' ``save_pretrained`` asks for the state dict.
+
+    ``quantize`` replaces the ``save_pretrained`` of the model it is given;
+    this catches the call on a model around it (``qfp8.quantize(m.model)``
+    then ``m.save_pretrained``), which would write the FP8 bytes with no
+    quantization config.
+    """
+    frame = sys._getframe(2)
+    for _ in range(64):  # save_pretrained -> state_dict, then one frame per module level
+        if frame is None:
+            return
+        if (
+            frame.f_code.co_name == "save_pretrained"
+            and frame.f_globals.get("__name__") == "transformers.modeling_utils"
+        ):
+            raise RuntimeError(TRANSFORMERS_SAVE_REFUSED)
+        frame = frame.f_back
+
+
 def _is_own_forward(module: nn.Module, forward) -> bool:
     """True when ``forward`` is ``type(module).forward`` bound to ``module`` (no wrapper)."""
     return getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward
@@ -236,7 +263,7 @@ class QLinear(nn.Module):
         rounded to nearest now and chosen again, to minimise the output error,
         at the end of :func:`qfp8.calibrate`.
         """
-        return cls.from_weight(linear.weight, linear.bias, scheme, name or repr(linear), accuracy)
+        return cls.from_weight(linear.weight, linear.bias, scheme, name or repr(linear), accuracy, label=name or None)
 
     @classmethod
     def from_weight(
@@ -246,8 +273,12 @@ class QLinear(nn.Module):
         scheme: QuantizationScheme,
         name: str,
         accuracy: str | None = None,
+        label: str | None = None,
     ) -> QLinear:
-        """A QLinear of the float ``weight`` ``[N, K]`` (and ``bias``), as :meth:`from_linear`."""
+        """A QLinear of the float ``weight`` ``[N, K]`` (and ``bias``), as :meth:`from_linear`.
+
+        ``name`` names the weight in the errors raised here, ``label`` the module in the layer's own errors.
+        """
         rounding.check_mode(accuracy)
         weight = weight.detach()
         if not torch.isfinite(weight).all():
@@ -281,6 +312,7 @@ class QLinear(nn.Module):
         if accuracy is not None:
             module.accuracy = accuracy
             module.float_weight = weight.clone()
+        module.label = label
         module.pack_for_device()
         return module
 
@@ -411,6 +443,9 @@ class QLinear(nn.Module):
             # remove_hook_from_module leaves) does not.
             and ("forward" not in state or _is_own_forward(self, state["forward"]))
             and state.get("_compiled_call_impl") is None
+            # A subclass's own forward (a LoRA branch added to the layer) or
+            # QLinear.forward patched on the class runs through nn.Module.__call__.
+            and type(self).forward is _QLINEAR_FORWARD
         ):
             fast = state["_fast_op"]
         state["_fast"] = fast
@@ -438,8 +473,8 @@ class QLinear(nn.Module):
 
     @property
     def _placed(self) -> str:
-        """``"<label> "`` to put before the layer's description in a message ("" without a label)."""
-        return f"{self.label} " if self.label else ""
+        """``"module '<label>': "`` to put before the layer's description in a message ("" without a label)."""
+        return f"module {self.label!r}: " if self.label else ""
 
     def _uncalibrated(self, *args):
         if self.is_calibrated:  # a scale put in place since the op was bound (_buffers, register_buffer)
@@ -497,6 +532,7 @@ class QLinear(nn.Module):
             fast is not None
             and len(args) == 1
             and not kwargs
+            and type(self).forward is _QLINEAR_FORWARD  # not patched on the class since the layer was armed
             # A call that needs a gradient takes forward (autograd.linear); the
             # CPU eager entry would hand it there too, other kernels' would not.
             and not (
@@ -583,7 +619,7 @@ class QLinear(nn.Module):
             if op is self._kernel_op and needs_grad(x, bias):
                 return linear(op, self._unpack, *args)
             return op(*args)
-        except RuntimeError as error:
+        except (RuntimeError, AttributeError) as error:  # AttributeError: an input with no .requires_grad (a list)
             self._raise_input_error(x, error)
 
     def _calibration_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -694,6 +730,7 @@ class QLinear(nn.Module):
 
     # --------------------------------------------------------- state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        _refuse_transformers_writer()
         if _STATE_SPEC_ONLY.get():
             weight = torch.empty(self.out_features, self.in_features, dtype=self.scheme.weight_dtype, device="meta")
         else:
@@ -766,3 +803,6 @@ class QLinear(nn.Module):
                 with torch.no_grad():  # the same Parameter, as nn.Linear keeps it (optimizers hold it)
                     self.bias.copy_(value)
         self.pack_for_device()
+
+
+_QLINEAR_FORWARD = QLinear.forward  # as defined here: see _arm

@@ -583,3 +583,45 @@ def test_a_failed_save_removes_the_folders_it_created(tiny, tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         qfp8.save_pretrained(model, tmp_path / "new" / "a" / "b")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_transformers_save_of_a_model_around_the_quantized_one_is_refused(tiny, tmp_path):
+    """quantize(m.model) guards m.model's save_pretrained; m.save_pretrained asks the layers for their state."""
+    model = tiny.model()
+    qfp8.quantize(model.model)
+    with pytest.raises(RuntimeError, match=r"use qfp8.save_pretrained\(model, directory\)"):
+        model.save_pretrained(tmp_path / "transformers")
+    assert not list((tmp_path / "transformers").glob("*.safetensors"))
+    state = model.state_dict()  # a plain state_dict call still works
+    assert state["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert "model.layers.0.mlp.down_proj.weight_scale" in state
+
+
+def test_a_compiled_or_data_parallel_wrapper_saves_the_model_inside(tiny, tmp_path, x):
+    """The wrappers prefix every name (_orig_mod., module.): such a checkpoint would match no model."""
+    for wrap in (torch.compile, torch.nn.DataParallel):
+        model = tiny.model()
+        wrapped = wrap(model)
+        result, report = qfp8.quantize(wrapped)
+        assert result is wrapped and all(not e.name.startswith(("_orig_mod", "module")) for e in report.entries)
+        folder = tmp_path / wrap.__name__
+        qfp8.save_pretrained(wrapped, folder)
+        assert not [k for k in tiny.tensors(folder) if k.startswith(("_orig_mod", "module"))]
+        with torch.no_grad():
+            assert torch.equal(qfp8.from_pretrained(folder)(x).logits, model(x).logits)
+
+
+def test_a_tied_head_given_its_own_weight_is_saved_untied(tiny, tmp_path, x):
+    """quantize's advice for a tied lm_head (give it its own weight) must give a checkpoint that loads."""
+    model = tiny.model(tie_word_embeddings=True)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    qfp8.quantize(model, exclude=())
+    assert isinstance(model.lm_head, qfp8.QLinear)
+    qfp8.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    with torch.no_grad():
+        assert torch.equal(qfp8.from_pretrained(tmp_path)(x).logits, model(x).logits)
+    tied = tiny.model(tie_word_embeddings=True)  # still tied: the config says so
+    qfp8.quantize(tied)
+    qfp8.save_pretrained(tied, tmp_path / "tied")
+    assert json.loads((tmp_path / "tied" / "config.json").read_text())["tie_word_embeddings"] is True

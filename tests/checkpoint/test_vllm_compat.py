@@ -196,14 +196,14 @@ def test_fused_shards_with_different_schemes_warn(tiny, tmp_path):
 
 
 def test_block_shapes_vllm_cannot_run_warn(tiny, tmp_path):
-    # bn != bk on an aligned model (W8A8: vLLM's W8A16 block layers take another scheme, whose rules are not checked).
+    # bn != bk on an aligned model (W8A8 only: vLLM's W8A16 block layers, CompressedTensorsW8A16Fp8, take it).
     model = calibrated(
         tiny, tiny.model(**ALIGNED), weight_scale="block", block_size=(128, 64), activations="dynamic",
         activation_scale="group",
     )  # fmt: skip
     (message,) = save(model, tmp_path / "128x64")
     assert "block size [128, 64]" in message and "block_n == block_k" in message and "K = " not in message
-    assert not save(calibrated(tiny, tiny.model(), weight_scale="block", exclude=()), tmp_path / "w8a16")
+    assert not save(calibrated(tiny, tiny.model(**ALIGNED), weight_scale="block", block_size=(128, 64)), tmp_path / "a")
     # The tiny model (hidden 64, k/v_proj N = 32) with 128 blocks: K % bn and fused shards' N % bn.
     model = calibrated(
         tiny, tiny.model(), weight_scale="block", activations="dynamic", activation_scale="group", exclude=()
@@ -215,6 +215,22 @@ def test_block_shapes_vllm_cannot_run_warn(tiny, tmp_path):
     assert "model.layers.*.self_attn.qkv_proj (2 modules): q_proj N = 64 is not a multiple" in message
     assert "k_proj N = 32 is not a multiple" in message and "v_proj N" not in message
     assert "gate_proj N" not in message and "validate_fp8_block_shape" in message  # gate_proj: N = 128
+
+
+def test_w8a16_block_shards_vllm_cannot_fuse_warn(tiny, tmp_path):
+    """The newest CompressedTensorsW8A16Fp8 (02e43002) takes block weights and checks validate_fp8_block_shape: a
+    fused shard other than the last must be a multiple of block_n (K and bn != bk are free). Older ones (aa63715b)
+    refuse block weights without input activations outright."""
+    model = calibrated(tiny, tiny.model(), weight_scale="block")  # hidden 64: q_proj N = 64, k_proj N = 32
+    (message,) = save(model, tmp_path)
+    assert message.startswith("vLLM cannot load or run this checkpoint")
+    lines = message.splitlines()[1:]
+    assert len(lines) == 2, lines
+    assert "model.layers.*.self_attn.qkv_proj (2 modules): q_proj N = 64 is not a multiple of block_n = 128" in lines[0]
+    assert "k_proj N = 32 is not a multiple" in lines[1] and "v_proj N" not in message and "K = " not in message
+    assert "CompressedTensorsW8A16Fp8 calls for W8A16 block layers" in message and "aa63715b" in message
+    assert "'Unsupported weight strategy=block'" in message
+    assert ["  - " + line for line in describe(tmp_path)["vllm"]] == lines
 
 
 def test_vllm_incompatibilities_rules():
@@ -243,6 +259,217 @@ def test_stream_quantize_warns_about_a_partly_excluded_fused_layer(tiny, tmp_pat
     (message,) = [str(w.message) for w in caught if "vLLM" in str(w.message)]
     assert "model.layers.*.mlp.gate_up_proj (2 modules): gate_proj/up_proj (gate_proj ignored" in message
     assert quantization_config(tmp_path / "out")["quant_method"] == "compressed-tensors"
+
+
+def test_a_quantized_lm_head_warns(tiny, tmp_path):
+    """vLLM's ParallelLMHead is no LinearBase: CompressedTensorsConfig.get_quant_method gives it no scheme (newer
+    vLLM takes one only from a group naming lm_head, not from the 'Linear' target), and its loader then fails on
+    lm_head.weight_scale."""
+    model = calibrated(tiny, tiny.model(**ALIGNED), weight_scale="channel", exclude=())
+    (message,) = save(model, tmp_path)
+    (line,) = message.splitlines()[1:]
+    assert line.startswith("  - lm_head (1 module): a quantized lm_head: vLLM builds lm_head as a ParallelLMHead")
+    assert "lm_head.weight_scale" in line and "'Linear' target" in line and "Keep lm_head float" in line
+    assert describe(tmp_path)["vllm"] == [line.removeprefix("  - ")]
+
+
+# ------------------------------------------------------------ MoE experts: vLLM's FusedMoE
+
+MOE_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def moe_model(arch="mixtral"):
+    transformers = pytest.importorskip("transformers")
+    configs = {
+        "mixtral": lambda: transformers.MixtralConfig(
+            **MOE_COMMON, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **MOE_COMMON, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2
+        ),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **MOE_COMMON, moe_intermediate_size=128, shared_expert_intermediate_size=64, num_experts=4,
+            num_experts_per_tok=2,
+        ),
+    }  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(configs[arch]()).eval()
+
+
+def quiet_quantize(model, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qfp8.quantize(model, **kwargs)
+    return model
+
+
+def vllm_lines(messages):
+    (message,) = [m for m in messages if m.startswith("vLLM cannot load or run")]
+    return message.splitlines()[1:]
+
+
+@pytest.mark.parametrize(
+    "arch, weight_scale, prefix",
+    [("mixtral", "channel", "block_sparse_moe.experts"), ("qwen3_moe", "tensor", "mlp.experts")],
+)
+def test_weight_only_experts_warn_with_what_vllm_takes(tmp_path, arch, weight_scale, prefix):
+    """vLLM has no FP8 weight-only fused-MoE method: get_moe_method sends per-channel weights to its WNA16 branch
+    (which takes 'pack-quantized' only) and per-tensor ones to no method."""
+    model = quiet_quantize(moe_model(arch), weight_scale=weight_scale)
+    (line,) = vllm_lines(save(model, tmp_path / "w8a16"))
+    assert line.startswith(f"  - model.layers.*.{prefix} (2 modules): MoE experts quantized weight-only")
+    assert "no FP8 weight-only fused-MoE method" in line and "'float-quantized'" in line
+    assert "activations='dynamic' with weight_scale='channel' and activation_scale='token'" in line
+    assert "weight_scale='tensor' with activations='static'" in line and "activation_scale='group'" in line
+    # Float experts are a way out where vLLM finds them in the ignore list (gate_proj names), not for Mixtral.
+    assert ("keep them float (exclude=" in line) == (arch == "qwen3_moe")
+    assert ["  - " + problem for problem in describe(tmp_path / "w8a16")["vllm"]] == [line]
+    # What the warning advises saves without one.
+    assert save(quiet_quantize(moe_model(arch), activations="dynamic"), tmp_path / "w8a8") == []
+
+
+@pytest.mark.parametrize("activation_scale", ["token", "token-mse"])
+def test_experts_with_a_w8a8_pairing_vllm_refuses_warn(tmp_path, activation_scale):
+    model = quiet_quantize(moe_model(), weight_scale="tensor", activations="dynamic", activation_scale=activation_scale)
+    (line,) = vllm_lines(save(model, tmp_path))
+    (group,) = quantization_config(tmp_path)["config_groups"].values()
+    assert group["input_activations"]["strategy"] == "token"  # token-mse is written as dynamic per-token
+    assert line.startswith("  - model.layers.*.block_sparse_moe.experts (2 modules): MoE experts with tensor weight")
+    assert "dynamic per-token" in line and ("token-mse, saved as dynamic per-token" in line) == (
+        activation_scale == "token-mse"
+    )
+    assert "CompressedTensorsW8A8Fp8MoEMethod takes per-tensor weights with per-tensor activations" in line
+
+
+def expert_layers(scheme, parts=("gate_proj", "up_proj", "down_proj"), experts=2, n=128):
+    layers = {}
+    for e in range(experts):
+        for part in parts:
+            layers[f"model.layers.0.mlp.experts.{e}.{part}"] = (scheme, (n, 128) if part != parts[-1] else (128, n))
+    layers["model.layers.0.self_attn.o_proj"] = (scheme, (128, 128))
+    return layers
+
+
+# (weight_scale, activations, activation_scale): refused by vLLM's fused MoE
+MOE_PAIRINGS = {
+    ("tensor", "static", "tensor"): False,
+    ("tensor", "dynamic", "tensor"): False,
+    ("channel", "dynamic", "token"): False,
+    ("channel", "dynamic", "token-mse"): False,  # saved as dynamic per-token
+    ("block", "dynamic", "group"): False,
+    ("block", "dynamic", "token"): False,
+    ("tensor", "dynamic", "token"): True,
+    ("tensor", "dynamic", "token-mse"): True,
+    ("tensor", "dynamic", "group"): True,
+    ("channel", "static", "tensor"): True,
+    ("channel", "dynamic", "tensor"): True,
+    ("channel", "dynamic", "group"): True,
+}
+
+
+def test_vllm_fused_moe_w8a8_pairings():
+    """CompressedTensorsW8A8Fp8MoEMethod: per-tensor weights + per-tensor activations, per-channel + dynamic
+    per-token, block + dynamic; it asserts block weights for any other pairing."""
+    refused = {}
+    for weight_scale, activations, activation_scale in MOE_PAIRINGS:
+        scheme = QuantizationScheme.from_args("float8_e4m3fn", weight_scale, activations, activation_scale)
+        problems = qconfig.vllm_incompatibilities(expert_layers(scheme))
+        refused[(weight_scale, activations, activation_scale)] = bool(problems)
+        for problem in problems:
+            assert problem.startswith(f"model.layers.*.mlp.experts (1 module): MoE experts with {weight_scale} weight")
+            assert "asserts block weights for any other pairing" in problem
+    assert refused == MOE_PAIRINGS
+
+
+def test_block_experts_whose_gate_up_rows_are_not_a_multiple_of_block_n_warn():
+    scheme = QuantizationScheme.from_args("float8_e4m3fn", "block", "dynamic", "group", block_size=(128, 128))
+    layers = {k: v for k, v in expert_layers(scheme, n=192).items() if "o_proj" not in k}
+    problems = qconfig.vllm_incompatibilities(layers)
+    assert any("down_proj (2 modules): K = 192 is not a multiple" in p for p in problems)  # the dense rule
+    (problem,) = [p for p in problems if "MoE" in p]
+    assert problem.startswith("model.layers.*.mlp.experts (1 module): MoE experts' gate/up N = 192 is not a multiple")
+    assert "CompressedTensorsW8A8Fp8MoEMethod.create_weights raises" in problem
+
+
+def test_experts_of_a_layer_not_quantized_alike_warn(tmp_path):
+    """vLLM fuses a layer's experts into one FusedMoE with one scheme, looked up by expert 0's names."""
+    model = quiet_quantize(moe_model(), activations="dynamic", exclude=["lm_head", "*experts.down_proj"])
+    (line,) = vllm_lines(save(model, tmp_path))
+    assert line.startswith("  - model.layers.*.block_sparse_moe.experts (2 modules): MoE experts of one layer not all")
+    assert "(4 of 12 expert parts ignored; ignored, w-e4m3fn-channel a-dynamic-token)" in line
+    assert "one FusedMoE with one scheme" in line and "'<experts>.0.gate_proj'" in line
+    # Rules level: one expert's part ignored is enough.
+    scheme = QuantizationScheme.from_args("float8_e4m3fn", "channel", "dynamic", "token")
+    layers = expert_layers(scheme)
+    assert qconfig.vllm_incompatibilities(layers) == []
+    layers["model.layers.0.mlp.experts.1.up_proj"] = (None, (128, 128))
+    (problem,) = qconfig.vllm_incompatibilities(layers)
+    assert "(1 of 6 expert parts ignored; ignored, w-e4m3fn-channel a-dynamic-token)" in problem
+
+
+def test_float_experts_vllm_cannot_find_in_the_ignore_list_warn(tmp_path):
+    """vLLM checks the ignore list for '<experts>.0.gate_proj' only: Mixtral's float experts (w1/w2/w3) are missed,
+    and the layer takes the checkpoint's one scheme; Qwen3-MoE's gate_proj names are found."""
+    model = quiet_quantize(moe_model(), activations="dynamic", exclude=["lm_head", "model.layers.1.mlp.experts.*"])
+    (line,) = vllm_lines(save(model, tmp_path / "mixtral"))
+    assert line.startswith("  - model.layers.*.block_sparse_moe.experts (1 module): MoE experts kept float under")
+    assert "names vLLM does not look up (w1/w2/w3)" in line and "'Linear' target also covers FusedMoE" in line
+    assert "model.layers.1.block_sparse_moe.experts.0.w1" in quantization_config(tmp_path / "mixtral")["ignore"]
+    model = quiet_quantize(
+        moe_model("qwen3_moe"), activations="dynamic", exclude=["lm_head", "model.layers.1.mlp.experts.*"]
+    )
+    assert save(model, tmp_path / "qwen3") == []
+    assert "model.layers.1.mlp.experts.0.gate_proj" in quantization_config(tmp_path / "qwen3")["ignore"]
+
+
+def test_experts_named_otherwise_under_several_schemes_warn():
+    """With several config groups the targets are module names, and none is '<experts>.0.gate_proj'."""
+    channel = QuantizationScheme.from_args("float8_e4m3fn", "channel", "dynamic", "token")
+    tensor = QuantizationScheme.from_args("float8_e4m3fn", "tensor", "static", "tensor")
+    mixtral = expert_layers(channel, parts=("w1", "w3", "w2"))
+    assert qconfig.vllm_incompatibilities(mixtral) == []  # one scheme: the 'Linear' target reaches FusedMoE
+    mixtral["model.layers.0.self_attn.o_proj"] = (tensor, (64, 64))
+    (problem,) = qconfig.vllm_incompatibilities(mixtral)
+    assert "MoE experts named w1/w2/w3 in a checkpoint with several schemes" in problem
+    assert "builds the layer unquantized and its loader fails on the experts' weight_scale" in problem
+    named = expert_layers(channel)
+    named["model.layers.0.self_attn.o_proj"] = (tensor, (64, 64))
+    assert qconfig.vllm_incompatibilities(named) == []
+    # Float experts under several schemes: no target, so vLLM builds them unquantized, as stored.
+    mixtral = {k: (None if ".experts." in k else v, shape) for k, (v, shape) in mixtral.items()}
+    mixtral["model.layers.0.self_attn.q_proj"] = (channel, (64, 64))
+    assert qconfig.vllm_incompatibilities(mixtral) == []
+
+
+def test_qwen2_moe_shared_expert_gate_stays_float(tiny, tmp_path):
+    """vLLM builds Qwen2-MoE's shared_expert_gate as a plain torch.nn.Linear: quantize keeps it float, as the
+    routers (no nn.Linear) are, with the reason in the report; the streamed CLI path does the same."""
+    moe_model("qwen2_moe").save_pretrained(tmp_path / "float")
+    model = moe_model("qwen2_moe")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, report = qfp8.quantize(model, activations="dynamic")
+    entries = {e.name: e for e in report.entries}
+    gate = entries["model.layers.0.mlp.shared_expert_gate"]
+    assert not gate.quantized and gate.reason.startswith("a MoE gate, kept in float as the routers are")
+    assert type(model.model.layers[1].mlp.shared_expert_gate) is torch.nn.Linear
+    assert entries["model.layers.0.mlp.shared_expert.gate_proj"].quantized
+    assert save(model, tmp_path / "memory") == []
+    ignore = quantization_config(tmp_path / "memory")["ignore"]
+    assert ignore == ["lm_head", "model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.shared_expert_gate"]
+    stored = tiny.tensors(tmp_path / "memory")
+    assert stored["model.layers.0.mlp.shared_expert_gate.weight"].dtype == torch.float32
+    assert "model.layers.0.mlp.shared_expert_gate.weight_scale" not in stored
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stream_quantize(tmp_path / "float", tmp_path / "cli", activations="dynamic", progress=False)
+    assert quantization_config(tmp_path / "cli") == quantization_config(tmp_path / "memory")
+    assert tiny.tensors(tmp_path / "cli").keys() == stored.keys()
+    # A quantized one (an older qfp8 checkpoint, another tool) is what vLLM refuses.
+    scheme = QuantizationScheme.from_args("float8_e4m3fn", "channel", "dynamic", "token")
+    (problem,) = qconfig.vllm_incompatibilities({"model.layers.0.mlp.shared_expert_gate": (scheme, (1, 64))})
+    assert problem.startswith("model.layers.*.mlp.shared_expert_gate (1 module): a quantized shared_expert_gate")
+    assert "plain torch.nn.Linear" in problem and "weight_scale (KeyError)" in problem
 
 
 # ------------------------------------------------------------ readers
@@ -318,6 +545,9 @@ def test_an_uncalibrated_kv_cache_is_written_dynamic_with_a_warning(tiny, tmp_pa
     qfp8.quantize(model, kv_cache="float8_e4m3fn")
     (message,) = save(model, tmp_path / "dynamic")
     assert message.startswith("the FP8 KV cache is not calibrated") and "qfp8.calibrate" in message
+    # What vLLM does with it: an FP8 cache forced by the kv_cache_scheme, with scale 1.0 (no scales loaded).
+    assert "vLLM then runs an FP8 KV cache with scale 1.0 in every layer" in message
+    assert "whatever --kv-cache-dtype says" in message and "BaseKVCacheMethod uses 1.0" in message
     scheme = quantization_config(tmp_path / "dynamic")["kv_cache_scheme"]
     assert scheme["dynamic"] is True and scheme["strategy"] == "tensor"  # vLLM validates the strategy
     assert not [k for k in tiny.tensors(tmp_path / "dynamic") if k.endswith(("k_scale", "v_scale"))]

@@ -316,7 +316,9 @@ def test_static_experts_before_calibration_say_so():
     with pytest.raises(RuntimeError, match="never calibrated"), torch.no_grad():
         model(torch.randint(0, 128, (1, 5)))
     module = experts_of(model)[0]  # the experts themselves name the expert
-    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj\[\d\] .*never calibrated"):
+    with pytest.raises(
+        RuntimeError, match=r"module .model\.layers\.0\.mlp\.experts\.gate_up_proj\[\d\].: QLinear.*never calibrated"
+    ):
         with torch.no_grad():
             module(*routed_inputs(module))
     with pytest.raises(RuntimeError, match=r"mlp\.experts\.gate_up_proj\[0\]"):
@@ -418,6 +420,8 @@ def test_the_streaming_cli_quantizes_experts_as_quantize_does(cli, in_memory, tm
     moe().save_pretrained(tmp_path / "float")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing kept in float, nothing to warn about
+        if "activations" not in cli:  # but W8A16 experts, which vLLM's fused MoE does not take
+            warnings.filterwarnings("ignore", "(?s)vLLM cannot load or run.*MoE experts quantized weight-only")
         stream_quantize(tmp_path / "float", tmp_path / "cli", progress=False, **cli)
     stored = safetensors.torch.load_file(tmp_path / "cli" / "model.safetensors")
     w1, w3 = (f"model.layers.0.block_sparse_moe.experts.3.{p}" for p in ("w1", "w3"))
@@ -716,6 +720,7 @@ def test_the_streaming_cli_excludes_a_fused_weight_whole(tmp_path):
     moe().save_pretrained(tmp_path / "float")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # each pattern matches: no "excludes nothing" warning
+        warnings.filterwarnings("ignore", "vLLM cannot load or run")  # experts partly float, W8A16
         stream_quantize(tmp_path / "float", tmp_path / "a", exclude=["lm_head", "*.w1"], progress=False)
         stream_quantize(
             tmp_path / "float", tmp_path / "b", exclude=["lm_head", "*mlp.experts.down_proj"], progress=False

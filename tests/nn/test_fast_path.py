@@ -277,3 +277,45 @@ def test_qlinear_call_overhead_on_smollm2_shapes():
             break
     best = min(ratio for ratio, _ in attempts)
     assert best <= 1.20, f"QLinear / bare op time over a SmolLM2 decoder layer: {attempts}"
+
+
+def test_a_subclass_forward_runs_on_every_call():
+    """A subclass that adds to forward (a LoRA branch: peft does not wrap QLinear) must not be skipped."""
+
+    class Shifted(QLinear):
+        def forward(self, x):
+            return super().forward(x) + 1000.0
+
+    layer = Shifted.from_linear(nn.Linear(96, 64).to(torch.bfloat16), QuantizationScheme(), "shifted")
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    expected = layer._op(*bare_call_args(layer, x)) + 1000.0
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected)
+    assert torch.equal(layer(x), expected)
+    assert layer.__dict__["_fast"] is None
+
+
+def test_a_forward_patched_on_the_class_runs(monkeypatch):
+    layer = make_layer(QuantizationScheme())
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    expected = layer._op(*bare_call_args(layer, x))
+    original = QLinear.forward
+    monkeypatch.setattr(QLinear, "forward", lambda self, x: original(self, x) * 2)
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected * 2)
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(layer(x), expected)
+    assert layer.__dict__["_fast"] is not None  # armed again once the class's forward is its own
+
+
+def test_input_errors_name_the_module():
+    model = nn.Sequential()
+    model.add_module("encoder_proj", nn.Linear(16, 16))
+    model.add_module("decoder_proj", nn.Linear(16, 16))
+    qfp8.quantize(model)
+    with pytest.raises(ValueError, match=r"module 'decoder_proj': QLinear\(.*last dimension must be 16"):
+        model.decoder_proj(torch.randn(2, 8))
+    for grad in (False, True):  # a list: the fast path and forward (which reads .requires_grad) both say so
+        with torch.set_grad_enabled(grad), pytest.raises(TypeError, match="'encoder_proj'.*must be a tensor, got list"):
+            model.encoder_proj([[1.0] * 16])
