@@ -180,7 +180,7 @@ def _check_block_size(block_size) -> tuple[int, int]:
     if (
         not isinstance(block_size, (tuple, list))
         or len(block_size) != 2
-        or not all(isinstance(b, int) and b > 0 for b in block_size)
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block_size)
     ):
         raise ValueError(f"block_size must be two positive ints (bn, bk), got {block_size!r}")
     return (int(block_size[0]), int(block_size[1]))

@@ -81,6 +81,7 @@ class QuantizeReport:
     others: list[OtherWeights] = field(default_factory=list)
     other_fraction: float = 0.0
     attention: str = ""  # how quantize changed the model's attention implementation, if it did
+    kv_cache: str = ""  # the FP8 KV cache, if quantize turned it on
 
     @property
     def quantized(self) -> list[ReportEntry]:
@@ -111,6 +112,8 @@ class QuantizeReport:
         lines.append(f"{len(self.quantized)} quantized, {len(self.skipped)} skipped")
         if self.others:
             lines.append(self.others_summary())
+        if self.kv_cache:
+            lines.append(f"KV cache: {self.kv_cache}")
         if self.attention:
             lines.append(f"attention: {self.attention}")
         return "\n".join(lines)
@@ -380,10 +383,11 @@ def quantize(
     if weights is None:
         if kv_cache is None:
             raise ValueError("quantize: weights=None and kv_cache=None leave nothing to quantize")
-        from qfp8.nn.kv_cache import enable_fp8_kv_cache
-
-        enable_fp8_kv_cache(model, formats.fp8_dtype(kv_cache))
-        return QuantizeResult(outer, QuantizeReport())
+        attention_before = _attention_implementation(model)
+        report = QuantizeReport()
+        _enable_kv_cache(model, kv_cache, report)
+        report.attention = _attention_change(model, attention_before)
+        return QuantizeResult(outer, report)
     scheme = QuantizationScheme.from_args(weights, weight_scale, activations, activation_scale, block_size)
     rounding.check_mode(accuracy)
     user_patterns = exclude is not DEFAULT_EXCLUDE
@@ -412,7 +416,10 @@ def quantize(
             continue
         linear_names.append(name)
         if id(module) in planned:  # a shared submodule: one QLinear for all its names
-            planned[id(module)].aliases.append(name)
+            entry = planned[id(module)]
+            entry.aliases.append(name)
+            if entry.quantized and (pattern := excluded_by(name, exclude)):  # excluded by any of its names
+                entry.reason, entry.quantized = f"excluded by pattern {pattern!r} (as {name!r})", False
             continue
         entry = ReportEntry(name, module.in_features, module.out_features, quantized=False)
         pattern = excluded_by(name, exclude)
@@ -523,14 +530,13 @@ def quantize(
             entry.scheme = scheme.describe() + (f" accuracy-{accuracy}" if accuracy else "")
             entry.kernel = qexperts.packing
             del qexperts
-    from qfp8.nn.attention import PACKED_SDPA, use_packed_sdpa
+    from qfp8.nn.attention import use_packed_sdpa
 
-    if use_packed_sdpa(model):
-        report.attention = f"sdpa -> {PACKED_SDPA} (one-token steps pack grouped-query heads, compiled too)"
+    attention_before = _attention_implementation(model)
+    use_packed_sdpa(model)
     if kv_cache is not None:
-        from qfp8.nn.kv_cache import enable_fp8_kv_cache
-
-        enable_fp8_kv_cache(model, formats.fp8_dtype(kv_cache))
+        _enable_kv_cache(model, kv_cache, report)
+    report.attention = _attention_change(model, attention_before)
     model.qfp8_scheme = scheme
     if report.quantized:
         guard_transformers_save(model)
@@ -547,6 +553,35 @@ def _return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
+
+
+def _attention_implementation(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def _attention_change(model: nn.Module, before: str | None) -> str:
+    """The report's line on the attention implementation quantize switched the model to ("" if none)."""
+    from qfp8.nn.attention import PACKED_SDPA
+    from qfp8.nn.kv_cache import FUSED_ATTENTION
+
+    after = _attention_implementation(model)
+    if after == before:
+        return ""
+    what = {
+        PACKED_SDPA: "one-token steps pack grouped-query heads, compiled too",
+        FUSED_ATTENTION: "decode steps read the FP8 KV cache in qfp8's kernel; prefill runs SDPA",
+    }.get(after)
+    return f"{before} -> {after}" + (f" ({what})" if what else "")
+
+
+def _enable_kv_cache(model: nn.Module, kv_cache: str, report: QuantizeReport) -> None:
+    from qfp8.nn.kv_cache import enable_fp8_kv_cache
+
+    layers = enable_fp8_kv_cache(model, formats.fp8_dtype(kv_cache))
+    report.kv_cache = (
+        f"{kv_cache} in {len(layers)} attention module{'s' if len(layers) != 1 else ''}; static per-tensor "
+        "scales once calibrated (qfp8.calibrate), dynamic per-head scales until then"
+    )
 
 
 class TransformersSaveRefused:

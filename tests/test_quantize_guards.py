@@ -297,3 +297,41 @@ def test_a_parametrized_linear_is_quantized_without_a_left_in_float_warning():
         _, report = qfp8.quantize(model, exclude=None)
     assert report.quantized and not report.others and report.other_fraction == 0.0
     assert not [w for w in caught if "left in float" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(activations=None, activation_scale="group"), "applies to activations='dynamic'"),
+        (dict(activations="static", activation_scale="token-mse"), "one calibrated per-tensor scale"),
+        (dict(weight_scale="channel", block_size=(64, 64)), "applies to weight_scale='block' only"),
+        (dict(weight_scale="channel", block_size="garbage"), "two positive ints"),
+        (dict(weight_scale="block", block_size=(True, 64)), "two positive ints"),
+    ],
+)
+def test_arguments_that_would_be_ignored_are_refused(kwargs, message):
+    """Each of these was accepted and had no effect (the CLI refused the same options)."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    with pytest.raises(ValueError, match=message):
+        qfp8.quantize(model, **kwargs)
+    assert all(type(m) is nn.Linear for m in model)  # refused before anything changed
+    for ok in (
+        dict(activations="static", activation_scale="tensor"),
+        dict(weight_scale="channel", block_size=(128, 128)),
+    ):
+        qfp8.quantize(nn.Sequential(nn.Linear(16, 16)), **ok)  # the defaults' values, given explicitly
+
+
+def test_a_shared_linear_is_excluded_by_any_of_its_names():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder_proj = nn.Linear(16, 16)
+            self.decoder_proj = self.encoder_proj
+            self.head = nn.Linear(16, 4)
+
+    for pattern in ("encoder_proj", "decoder_proj"):
+        model, report = qfp8.quantize(Shared(), exclude=[pattern])
+        assert type(model.decoder_proj) is nn.Linear and model.decoder_proj is model.encoder_proj
+        assert report.entries[0].reason.startswith(f"excluded by pattern {pattern!r}")
+        assert isinstance(model.head, qfp8.QLinear)

@@ -41,7 +41,24 @@ class QuantizationScheme:
                 f"unknown activation_scale {activation_scale!r}; "
                 f"expected one of {list(formats.ACTIVATION_GRANULARITIES)}"
             )
-        block = formats._check_block_size(block_size) if weight_scale == "block" else ()
+        block = formats._check_block_size(block_size)
+        if weight_scale != "block":
+            if block != formats.DEFAULT_BLOCK_SIZE:
+                raise ValueError(
+                    f"block_size={block_size!r} applies to weight_scale='block' only, got weight_scale={weight_scale!r}"
+                )
+            block = ()
+        # activation_scale defaults to "token": another value with activations that do not use it is a mistake
+        if activations is None and activation_scale != "token":
+            raise ValueError(
+                f"activation_scale={activation_scale!r} applies to activations='dynamic'; activations=None "
+                "quantizes the weights only (W8A16)"
+            )
+        if activations == "static" and activation_scale not in ("token", "tensor"):
+            raise ValueError(
+                f"activation_scale={activation_scale!r} applies to activations='dynamic'; static activations take "
+                "one calibrated per-tensor scale"
+            )
         if activations == "static":
             activation_scale = "tensor"
         if activations is None:

@@ -194,3 +194,17 @@ def test_compiled_decode_packs_heads_and_matches_eager():
     for key, (logits, _) in results.items():
         assert torch.allclose(logits, reference, rtol=1e-4, atol=1e-4), key
     torch._dynamo.reset()
+
+
+def test_quantize_reports_the_fp8_kv_cache_and_its_attention():
+    from qfp8.nn import kv_cache as kvc
+
+    model, report = qfp8.quantize(_llama(), kv_cache="float8_e4m3fn")
+    assert model.config._attn_implementation == kvc.FUSED_ATTENTION
+    assert report.attention.startswith(f"sdpa -> {kvc.FUSED_ATTENTION}")  # not the packed SDPA it passed through
+    assert report.kv_cache.startswith("float8_e4m3fn in 2 attention modules") and "KV cache:" in str(report)
+    only_cache, report = qfp8.quantize(_llama(), weights=None, kv_cache="float8_e5m2")
+    assert not report.entries and report.kv_cache.startswith("float8_e5m2 in 2")
+    assert report.attention.startswith(f"sdpa -> {kvc.FUSED_ATTENTION}")
+    _, report = qfp8.quantize(_llama())
+    assert report.kv_cache == "" and "KV cache:" not in str(report)
