@@ -721,7 +721,8 @@ def check_calibrated(model: nn.Module, caller: str) -> None:
         raise RuntimeError(
             f"{caller}: {len(pending)} layer(s) with static activation scales or an accuracy mode were never "
             f"calibrated ({shown}); run `with qfp8.calibrate(model): model(batch)` over calibration data first "
-            "(a layer that saw only zeros or non-finite inputs counts as not calibrated)"
+            "(a layer that saw only zeros or non-finite inputs counts as not calibrated; a module whose code reads "
+            "the layer's .weight itself, F.linear(x, proj.weight), never runs the layer: exclude such a layer)"
         )
 
 

@@ -41,13 +41,10 @@ class QuantizationScheme:
                 f"unknown activation_scale {activation_scale!r}; "
                 f"expected one of {list(formats.ACTIVATION_GRANULARITIES)}"
             )
-        block = formats._check_block_size(block_size)
+        # Checked whatever weight_scale is (a sweep may pass one block_size to every granularity), used for "block"
+        block = formats._check_block_size(block_size) if weight_scale == "block" else ()
         if weight_scale != "block":
-            if block != formats.DEFAULT_BLOCK_SIZE:
-                raise ValueError(
-                    f"block_size={block_size!r} applies to weight_scale='block' only, got weight_scale={weight_scale!r}"
-                )
-            block = ()
+            formats._check_block_size(block_size)
         # activation_scale defaults to "token": another value with activations that do not use it is a mistake
         if activations is None and activation_scale != "token":
             raise ValueError(
