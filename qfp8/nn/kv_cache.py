@@ -221,8 +221,20 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 # ------------------------------------------------------------ cache layers
 
 
+def _cat_tokens(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """FP8 states joined along the tokens. Under torch.autocast, torch.cat refuses FP8 tensors ("Unexpected
+    floating ScalarType in at::autocast::prioritize"): autocast is turned off around it (a cat of byte views
+    would cut the keys' straight-through gradient)."""
+    if torch.is_autocast_enabled(stored.device.type):
+        with torch.autocast(stored.device.type, enabled=False):
+            return torch.cat([stored, new], dim=-2)
+    return torch.cat([stored, new], dim=-2)
+
+
 class _Float8LayerMixin:
     """Shared by the dynamic and the static FP8 layer: scales, centering, quantize and read."""
+
+    calibration_cache = False  # see _setup
 
     def _setup(self, attention: nn.Module) -> None:
         self.attention = attention
@@ -232,6 +244,10 @@ class _Float8LayerMixin:
         self.value_scale: torch.Tensor | None = None
         self.key_mean: torch.Tensor | None = None  # [B, H, 1, D] when centering
         self.out_dtype: torch.dtype | None = None
+        # A cache made while its layer calibrates runs as an uncalibrated one does (per-sequence scales, keys
+        # rounded to nearest), whatever an earlier calibration set: what a calibration measures in the layers
+        # after this one then does not depend on the ones before it.
+        self.calibration_cache = bool(getattr(attention, "qfp8_kv_calibrating", False))
 
     def __deepcopy__(self, memo):
         # A copied cache (transformers' prompt reuse: deepcopy a filled cache,
@@ -244,8 +260,14 @@ class _Float8LayerMixin:
             copied.__dict__[name] = copy.deepcopy(value, memo)
         return copied
 
+    def _static_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The module's static scales, as this cache uses them (none for a calibration cache)."""
+        if self.calibration_cache:
+            return None, None
+        return self.attention.k_scale, self.attention.v_scale
+
     def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        k_scale, v_scale = self.attention.k_scale, self.attention.v_scale
+        k_scale, v_scale = self._static_scales()
         return (
             self.key_scale if k_scale is None else k_scale,
             self.value_scale if v_scale is None else v_scale,
@@ -269,7 +291,8 @@ class _Float8LayerMixin:
             key_states = key_states.to(torch.float32) - self.key_mean
         # (getattr: a module pickled before compensated rounding existed has neither)
         attention = self.attention
-        factor = getattr(attention, "k_rounding_factor", None) if getattr(attention, "qfp8_kv_compensate", 0) else None
+        compensate = getattr(attention, "qfp8_kv_compensate", 0) and not self.calibration_cache
+        factor = getattr(attention, "k_rounding_factor", None) if compensate else None
         if factor is None or not (key_states.is_cpu and attention_ops.compensated_cpu_kernel()):
             keys = quantize_kv(key_states, k_scale, self.fp8_dtype)
         else:
@@ -279,9 +302,8 @@ class _Float8LayerMixin:
         return keys, quantize_kv(value_states, v_scale, self.fp8_dtype)
 
     def _scales_may_grow(self) -> bool:
-        return (self.attention.k_scale is None and self.key_scale is not None) or (
-            self.attention.v_scale is None and self.value_scale is not None
-        )
+        k_static, v_static = self._static_scales()
+        return (k_static is None and self.key_scale is not None) or (v_static is None and self.value_scale is not None)
 
     def _grow_dynamic_scales(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """A later update whose K (V) a dynamic per-head scale would saturate (a prompt after a cached prefix,
@@ -291,9 +313,8 @@ class _Float8LayerMixin:
         than GROWTH_CHECK_TOKENS (later, a step beyond the headroom saturates); not in compiled steps, which
         cannot branch on the data."""
         fmax = torch.finfo(self.fp8_dtype).max
-        for name, states, static in (
-            ("key", key_states, self.attention.k_scale),
-            ("value", value_states, self.attention.v_scale),
+        for name, states, static in zip(
+            ("key", "value"), (key_states, value_states), self._static_scales(), strict=True
         ):
             scale = getattr(self, f"{name}_scale")
             if static is not None or scale is None:
@@ -336,9 +357,10 @@ class _Float8LayerMixin:
 
     def scale_nbytes(self) -> int:
         """Bytes of the per-sequence scales and key means in use (static scales live on the module)."""
+        k_static, v_static = self._static_scales()
         in_use = (
-            self.key_scale if self.attention.k_scale is None else None,
-            self.value_scale if self.attention.v_scale is None else None,
+            self.key_scale if k_static is None else None,
+            self.value_scale if v_static is None else None,
             self.key_mean,
         )
         return sum(t.numel() * t.element_size() for t in in_use if t is not None)
@@ -401,8 +423,8 @@ class Float8DynamicLayer(_Float8DynamicMixin, DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new_keys, new_values = self._quantize_new(key_states, value_states)
-        self.keys = torch.cat([self.keys, new_keys], dim=-2)
-        self.values = torch.cat([self.values, new_values], dim=-2)
+        self.keys = _cat_tokens(self.keys, new_keys)
+        self.values = _cat_tokens(self.values, new_values)
         return self._returned(self.keys, self.values)
 
 
@@ -427,8 +449,8 @@ class Float8DynamicSlidingWindowLayer(_Float8DynamicMixin, DynamicSlidingWindowL
             self.lazy_initialization(key_states, value_states)
         new_keys, new_values = self._quantize_new(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
-        keys = torch.cat([self.keys, new_keys], dim=-2)
-        values = torch.cat([self.values, new_values], dim=-2)
+        keys = _cat_tokens(self.keys, new_keys)
+        values = _cat_tokens(self.values, new_values)
         if self.record_past:
             # Everything is kept until `crop` trims it; attention gets only what the mask covers.
             self.keys, self.values = keys, values
@@ -602,8 +624,8 @@ class Float8StaticSlidingWindowLayer(_Float8StaticMixin, StaticSlidingWindowLaye
             return self._returned(self.keys, self.values)
         # A full window keeps its last max_cache_len - 1 tokens for the new ones; a filling one keeps them all.
         kept = slice(1, None) if stored >= self.max_cache_len else slice(0, stored)
-        keys = torch.cat([self.keys[:, :, kept], new_keys], dim=-2)
-        values = torch.cat([self.values[:, :, kept], new_values], dim=-2)
+        keys = _cat_tokens(self.keys[:, :, kept], new_keys)
+        values = _cat_tokens(self.values[:, :, kept], new_values)
         self.key_bytes.copy_(keys[:, :, -self.max_cache_len :].view(torch.uint8))
         self.value_bytes.copy_(values[:, :, -self.max_cache_len :].view(torch.uint8))
         return self._returned(keys, values)

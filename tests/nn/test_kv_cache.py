@@ -664,3 +664,44 @@ def test_quantize_takes_the_kv_cache_dtype_as_a_torch_dtype_too(base_model):
     assert all(a.qfp8_kv_dtype == torch.float8_e5m2 for a in kvc.attention_modules(model).values())
     with pytest.raises(ValueError, match="unknown kv_cache 'int8'"):
         qfp8.quantize(copy.deepcopy(base_model), kv_cache=torch.int8)
+
+
+# ------------------------------------------------------------------ autocast and repeated calibration
+
+
+def test_generate_under_autocast():
+    """An fp32 model run under bf16 autocast (a common way to serve on CPU): torch.cat refuses FP8 there."""
+    float_model = tiny_llama(layers=3)
+    model = copy.deepcopy(float_model)
+    qfp8.quantize(model, weights=None, kv_cache="float8_e4m3fn")
+    prompt = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        tokens = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        expected = float_model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        # the logits of the whole sequence through the FP8 cache, one step at a time, against the float cache
+        cache = DynamicCache(config=model.config)
+        steps = [model(tokens[:, :7], past_key_values=cache).logits[:, -1]]
+        steps += [model(tokens[:, i : i + 1], past_key_values=cache).logits[:, -1] for i in range(7, 12)]
+        reference = float_model(tokens[:, :12]).logits[:, 6:12]
+    assert tokens.shape == expected.shape == (2, 13)
+    assert formats.sqnr(reference.float(), torch.stack(steps, 1).float()) > 20
+
+
+def test_calibrating_again_on_the_same_data_gives_the_same_scales(prompt):
+    """Each calibration runs its caches as the first did (per-sequence scales, round to nearest): the scales and
+    query moments of the layers after the first must not depend on an earlier calibration's."""
+    model = tiny_llama(layers=3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)  # large enough activations that FP8 rounding moves the next layers' K/V
+    qfp8.quantize(model, weights=None, kv_cache="float8_e4m3fn")
+    attention = [m for m in model.modules() if isinstance(m, kvc.Float8KVAttentionMixin)]
+    states = []
+    for _ in range(3):
+        with qfp8.calibrate(model), torch.no_grad():
+            model(prompt)
+        states.append([(m.k_scale.clone(), m.v_scale.clone(), m.k_rounding_hessian.clone()) for m in attention])
+    for later in states[1:]:
+        for first, again in zip(states[0], later, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
