@@ -170,8 +170,7 @@ inline void row_group_scales(const LinearProblem& p, const int64_t* rows, int co
 // Writes one row of a tile from its lane-order sums: as store_tile_row
 // (kernel.h), in the same order of operations (so the same bits), 16
 // channels at a time; mult is in channel order.
-inline void store_lanes(const LinearProblem& p, int64_t m, int64_t tile, const float* lanes, const float* mult) {
-  const __m512 v0 = _mm512_loadu_ps(lanes), v1 = _mm512_loadu_ps(lanes + 16);
+inline void store_lanes(const LinearProblem& p, int64_t m, int64_t tile, __m512 v0, __m512 v1, const float* mult) {
   const int64_t n0 = tile * kTileN;
   const int64_t count = p.N - n0 < kTileN ? p.N - n0 : kTileN;
   // Channel c of the tile is dword 4 * (c / 8) + c % 4 of register (c % 8) / 4
@@ -201,6 +200,10 @@ inline void store_lanes(const LinearProblem& p, int64_t m, int64_t tile, const f
     }
     _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, valid, bits);
   }
+}
+
+inline void store_lanes(const LinearProblem& p, int64_t m, int64_t tile, const float* lanes, const float* mult) {
+  store_lanes(p, m, tile, _mm512_loadu_ps(lanes), _mm512_loadu_ps(lanes + 16), mult);
 }
 
 // The activations as bf16 pairs, [virtual row][pair] (one uint32 = the bf16
@@ -413,6 +416,46 @@ void panel_rows(const __m512i* panel, const uint32_t* x, int64_t ld, float* cons
   }
 }
 
+// Rows x a panel that holds the whole K (one chunk, one run: no block or group
+// scales) of one-part activations: the finished sums go straight to the
+// output rows m0.. (store_lanes), not through the lane-order accumulators.
+// With little K per output (K = 64-512 at large M) the accumulators' zeroing,
+// adding and reading back had cost as much as the multiplies.
+template <int Rows>
+void panel_rows_store(const LinearProblem& p, const __m512i* panel, const uint32_t* x, int64_t ld, int64_t count,
+                      int64_t m0, int64_t tile, const float* mult, const uint8_t* prefetch) {
+  __m512 acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGroupBytes), _MM_HINT_T0);
+    const __m512i w0 = _mm512_load_si512(panel + 2 * i);
+    const __m512i w1 = _mm512_load_si512(panel + 2 * i + 1);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * ld + i]));
+      acc[r][0] = dot(acc[r][0], w0, xv);
+      acc[r][1] = dot(acc[r][1], w1, xv);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) store_lanes(p, m0 + r, tile, acc[r][0], acc[r][1], mult);
+}
+
+using PanelStoreFn = void (*)(const LinearProblem&, const __m512i*, const uint32_t*, int64_t, int64_t, int64_t, int64_t,
+                              const float*, const uint8_t*);
+constexpr PanelStoreFn kPanelStore[kMaxRows + 1] = {
+    nullptr,
+    panel_rows_store<1>,
+    panel_rows_store<2>,
+    panel_rows_store<3>,
+    panel_rows_store<4>,
+    panel_rows_store<5>,
+    panel_rows_store<6>,
+    panel_rows_store<7>,
+    panel_rows_store<8>,
+    panel_rows_store<9>,
+    panel_rows_store<10>,
+    panel_rows_store<11>,
+    panel_rows_store<12>};
+
 using PanelRowsFn = void (*)(const __m512i*, const uint32_t*, int64_t, float* const*, int, const int64_t*,
                              const __m512*, const float*, const uint8_t*);
 constexpr PanelRowsFn kPanelRows[kMaxRows + 1] = {
@@ -424,11 +467,40 @@ constexpr PanelRowsFn kPanelRows[kMaxRows + 1] = {
 // fused loop. More, the tiles of a group go through K together, so a row
 // block's activations (12 rows x a chunk, in L1) serve every tile of the
 // group before the next block's are read.
+// Whether tile_group writes the output itself (panel_rows_store): more rows than
+// the fused loop takes, the whole K in one panel chunk, one activation part,
+// no block or group scales.
+inline bool stores_directly(const LinearProblem& p, const Activations& a) {
+  return p.scale_kind != kScaleBlock && !p.group_scale && a.parts == 1 && a.rows > kFewRows && a.pairs <= kChunkPairs;
+}
+
+// Returns true when it wrote the output rows itself (stores_directly), false
+// when they are left in acc for store_lanes.
 template <bool Block>
-void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t t0, int64_t tiles,
+bool tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t t0, int64_t tiles,
                 __m512i* panels, float* acc, ChunkRuns& runs) {
   const int64_t pairs = a.pairs;
   const int64_t tile_bytes = pairs * kGroupBytes;
+  if (stores_directly(p, a)) {
+    const uint8_t* w = p.w + t0 * tile_bytes;
+    float mult[kGroupTiles][kTileN];
+    for (int64_t j = 0; j < tiles; ++j) {
+      __m512i* panel = panels + j * 2 * kChunkPairs;
+      const uint8_t* g = w + j * tile_bytes;
+      for (int64_t i = 0; i < pairs; ++i) convert_group(tb, g + i * kGroupBytes, panel[2 * i], panel[2 * i + 1]);
+      fill_channel_mult(p, t0 + j, false, mult[j]);
+    }
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const int64_t v0 = a.block_start(b);
+      for (int64_t j = 0; j < tiles; ++j) {
+        // The last row block asks for the next group's tile (see below).
+        const uint8_t* next = b == a.blocks - 1 ? w + (tiles + j) * tile_bytes : nullptr;
+        kPanelStore[a.rows_in(b)](p, panels + j * 2 * kChunkPairs, a.row(v0), pairs, pairs, v0, t0 + j, mult[j],
+                                  next);
+      }
+    }
+    return true;
+  }
   std::fill(acc, acc + tiles * p.M * kTileN, 0.0f);
   if (a.rows <= kFewRows) {
     for (int64_t j = 0; j < tiles; ++j) {
@@ -436,7 +508,7 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
       for (int r = 0; r < a.rows; ++r) acc_rows[r] = acc + (j * p.M + a.output_row[r]) * kTileN;
       kFewRowsFns[Block][a.rows](p, tb, t0 + j, a.row(0), pairs, acc_rows, a.output_row.data());
     }
-    return;
+    return false;
   }
   const uint8_t* w = p.w + t0 * tile_bytes;
   const bool grouped = p.group_scale != nullptr;
@@ -483,6 +555,7 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
     }
     c0 += count;
   }
+  return false;
 }
 
 }  // namespace
@@ -514,7 +587,7 @@ void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, i
   // Panels: 64 KB a tile, 64-byte aligned, for more than kFewRows rows.
   std::vector<float> panel_storage(a.rows > bf16::kFewRows ? group * 2 * bf16::kChunkPairs * 16 + 16 : 0);
   __m512i* panels = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) & ~uintptr_t(63));
-  std::vector<float> lanes(group * p.M * kTileN);
+  std::vector<float> lanes(bf16::stores_directly(p, a) ? 0 : group * p.M * kTileN);
   float mult[kTileN];
   const bool block = p.scale_kind == kScaleBlock;
   bf16::ChunkRuns runs;  // a chunk has at most one run per pair
@@ -523,12 +596,9 @@ void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, i
   if (p.group_scale) runs.row.resize(bf16::kChunkPairs * bf16::kMaxRows);
   for (int64_t t0 = tile_begin; t0 < tile_end; t0 += group) {
     const int64_t tiles = std::min(group, tile_end - t0);
-    if (block) {
-      bf16::tile_group<true>(p, tb, a, t0, tiles, panels, lanes.data(), runs);
-    } else {
-      bf16::tile_group<false>(p, tb, a, t0, tiles, panels, lanes.data(), runs);
-    }
-    for (int64_t j = 0; j < tiles; ++j) {
+    const bool stored = block ? bf16::tile_group<true>(p, tb, a, t0, tiles, panels, lanes.data(), runs)
+                              : bf16::tile_group<false>(p, tb, a, t0, tiles, panels, lanes.data(), runs);
+    for (int64_t j = 0; j < tiles && !stored; ++j) {
       fill_channel_mult(p, t0 + j, block, mult);
       for (int64_t m = 0; m < p.M; ++m) bf16::store_lanes(p, m, t0 + j, lanes.data() + (j * p.M + m) * kTileN, mult);
     }
