@@ -533,6 +533,7 @@ class QLinear(nn.Module):
             and len(args) == 1
             and not kwargs
             and type(self).forward is _QLINEAR_FORWARD  # not patched on the class since the layer was armed
+            and not _any_autocast()  # forward casts the input as torch.autocast does for nn.Linear
             # A call that needs a gradient takes forward (autograd.linear); the
             # CPU eager entry would hand it there too, other kernels' would not.
             and not (
@@ -599,6 +600,9 @@ class QLinear(nn.Module):
         if isinstance(x, Float8ActivationTensor):
             # Already FP8 (an nn.Linear took it through F.linear's handler): the subclass route multiplies it.
             return nn.functional.linear(x, self.weight, self.bias)
+        if isinstance(x, torch.Tensor) and x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+            # As torch.autocast runs nn.Linear: a float32 input goes in (and comes out) in the autocast dtype.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         if self.calibrating:
             try:
                 return self._calibration_forward(x)
@@ -806,3 +810,4 @@ class QLinear(nn.Module):
 
 
 _QLINEAR_FORWARD = QLinear.forward  # as defined here: see _arm
+_any_autocast = torch._C._is_any_autocast_enabled

@@ -1,5 +1,7 @@
 """A quantized layer follows the model's dtype: float64 takes the reference route, float32/bf16/fp16 the kernel."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -61,3 +63,21 @@ def test_bad_inputs_raise_errors_naming_the_layer(path):
     for x, kind, message in cases:
         with pytest.raises(kind, match=message):
             model(x)
+
+
+def test_autocast_runs_the_layer_in_its_dtype_as_for_nn_linear():
+    """Under torch.autocast a float32 input goes in (and out) in the autocast dtype, as nn.Linear's does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    float_model = copy.deepcopy(model)
+    qfp8.quantize(model, exclude=())
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        expected = model(x.bfloat16())  # the same layers given bf16 inputs
+        for grad in (False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+                out, reference = model(x), float_model(x)
+                compiled = torch.compile(model, fullgraph=True)(x)
+            assert out.dtype == reference.dtype == compiled.dtype == torch.bfloat16
+            assert torch.equal(out, expected) and torch.equal(compiled, expected)
+        assert model(x).dtype == torch.float32  # outside autocast: the input's dtype
