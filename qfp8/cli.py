@@ -87,7 +87,7 @@ class SubcommandParser(argparse.ArgumentParser):
                 )
         if not took:
             return ""
-        return f" ({'; '.join(took)}, or end its values with --)"
+        return f" ({'; '.join(took)}, or end its values with -- and put {positionals} last)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -362,7 +362,7 @@ def test_quantize_exclude_before_src_dst_says_what_it_took(float_folder, tmp_pat
     assert raised.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         "qfp8 quantize: error: the following arguments are required: src, dst (--exclude took 'lm_head', "
-        f"'{float_folder}', '{dst}' as its values: write src dst before --exclude, or end its values with --)"
+        f"'{float_folder}', '{dst}' as its values: write src dst before --exclude, or end its values with -- and put src dst last)"
     )
     with pytest.raises(SystemExit):  # SRC before, DST after: it took DST
         command_line(monkeypatch, capsys, "quantize", float_folder, "--exclude", "lm_head", dst)
@@ -371,7 +371,7 @@ def test_quantize_exclude_before_src_dst_says_what_it_took(float_folder, tmp_pat
         .err.splitlines()[-1]
         .endswith(
             "required: dst (--exclude took 'lm_head', "
-            f"'{dst}' as its values: write src dst before --exclude, or end its values with --)"
+            f"'{dst}' as its values: write src dst before --exclude, or end its values with -- and put src dst last)"
         )
     )
     assert not dst.exists()

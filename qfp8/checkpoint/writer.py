@@ -479,11 +479,10 @@ def save_pretrained(
     if config["quantization_config"]["kv_cache_scheme"] and config["quantization_config"]["kv_cache_scheme"]["dynamic"]:
         warnings.warn(
             "the FP8 KV cache is not calibrated: the checkpoint holds no k_scale/v_scale and its kv_cache_scheme is "
-            "written dynamic (qfp8 takes per-head scales from each prompt). vLLM then runs an FP8 KV cache with "
-            "scale 1.0 in every layer: a kv_cache_scheme makes its Attention layers store K and V in fp8 whatever "
-            "--kv-cache-dtype says, and with no k_scale/v_scale loaded (it reads static scales only) its "
-            "BaseKVCacheMethod uses 1.0. Run the model under qfp8.calibrate(model) before saving to write per-layer "
-            "scales",
+            "written dynamic (qfp8 takes per-head scales from each prompt). vLLM reads static scales only: with "
+            "its default --kv-cache-dtype auto, recent vLLM stores K and V in fp8 because of the kv_cache_scheme, "
+            "with scale 1.0 in every layer (no k_scale/v_scale loaded); an explicit --kv-cache-dtype overrides "
+            "it. Run the model under qfp8.calibrate(model) before saving to write per-layer scales",
             UserWarning,
             stacklevel=2,
         )

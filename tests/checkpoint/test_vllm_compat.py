@@ -545,9 +545,8 @@ def test_an_uncalibrated_kv_cache_is_written_dynamic_with_a_warning(tiny, tmp_pa
     qfp8.quantize(model, kv_cache="float8_e4m3fn")
     (message,) = save(model, tmp_path / "dynamic")
     assert message.startswith("the FP8 KV cache is not calibrated") and "qfp8.calibrate" in message
-    # What vLLM does with it: an FP8 cache forced by the kv_cache_scheme, with scale 1.0 (no scales loaded).
-    assert "vLLM then runs an FP8 KV cache with scale 1.0 in every layer" in message
-    assert "whatever --kv-cache-dtype says" in message and "BaseKVCacheMethod uses 1.0" in message
+    # What vLLM does with it: with --kv-cache-dtype auto, an FP8 cache from the kv_cache_scheme, with scale 1.0.
+    assert "--kv-cache-dtype auto" in message and "scale 1.0 in every layer" in message
     scheme = quantization_config(tmp_path / "dynamic")["kv_cache_scheme"]
     assert scheme["dynamic"] is True and scheme["strategy"] == "tensor"  # vLLM validates the strategy
     assert not [k for k in tiny.tensors(tmp_path / "dynamic") if k.endswith(("k_scale", "v_scale"))]
