@@ -318,10 +318,12 @@ def test_arguments_that_would_be_ignored_are_refused(kwargs, message):
         qfp8.quantize(model, **kwargs)
     assert all(type(m) is nn.Linear for m in model)  # refused before anything changed
     for ok in (
-        dict(activations="static", activation_scale="tensor"),
-        dict(weight_scale="channel", block_size=(128, 128)),
+        dict(activations="static", activation_scale="tensor"),  # static's own scale
+        dict(weight_scale="channel", block_size=(64, 64)),  # a block size a sweep passes to every granularity
+        dict(weight_scale="channel", block_size=()),  # what a channel scheme holds (model.qfp8_scheme.block_size)
+        dict(weight_scale="tensor", block_size=None),
     ):
-        qfp8.quantize(nn.Sequential(nn.Linear(16, 16)), **ok)  # the defaults' values, given explicitly
+        qfp8.quantize(nn.Sequential(nn.Linear(16, 16)), **ok)
 
 
 def test_a_shared_linear_is_excluded_by_any_of_its_names():

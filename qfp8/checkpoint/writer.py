@@ -399,7 +399,7 @@ def model_config_dict(model: nn.Module) -> dict:
         # The lm_head was given its own weight (to quantize it): a reader
         # would tie it to the embedding again, or refuse the FP8 head.
         as_dict["tie_word_embeddings"] = False
-    _add_transformers4_keys(type(config), as_dict)
+    _add_transformers4_keys(config, as_dict)
     return as_dict
 
 
@@ -414,28 +414,51 @@ def _output_embeddings_tied(model: nn.Module) -> bool:
     return isinstance(head, nn.Linear) and head.weight is embedding.weight
 
 
-def _add_transformers4_keys(config_class: type, as_dict: dict) -> None:
+def _add_transformers4_keys(config, as_dict: dict) -> None:
     """Adds the keys transformers 4 reads where transformers 5 writes others, with the same values.
 
     vLLM runs on transformers 4, whose config classes fill a missing key with
     their default: without ``rope_theta`` a Llama-3 checkpoint would run with
     RoPE base 10000 instead of 500000, without ``num_experts`` a Qwen3-MoE one
-    with 128 experts. transformers 5 reads these keys as aliases of its own.
+    with 128 experts. transformers 5 reads these keys as aliases of its own;
+    the RoPE keys are added only when transformers 5 reads the file back to
+    the same ``rope_parameters`` (some per-layer-type layouts it would not).
     """
+    config_class = type(config)
     rope = as_dict.get("rope_parameters")
+    added: dict = {}
     if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):  # one set per layer type (Gemma 3)
         if isinstance(rope.get("sliding_attention"), dict) and "rope_theta" in rope["sliding_attention"]:
-            as_dict.setdefault("rope_local_base_freq", rope["sliding_attention"]["rope_theta"])
+            added["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
         rope = rope["full_attention"]
     if isinstance(rope, dict) and "rope_theta" in rope:
-        as_dict.setdefault("rope_theta", rope["rope_theta"])
+        added["rope_theta"] = rope["rope_theta"]
         if "partial_rotary_factor" in rope:
-            as_dict.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
+            added["partial_rotary_factor"] = rope["partial_rotary_factor"]
         scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
-        as_dict.setdefault("rope_scaling", None if scaling.get("rope_type", "default") == "default" else scaling)
+        added["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
+    added = {key: value for key, value in added.items() if key not in as_dict}
+    if added and _reads_back(config_class, {**as_dict, **added}, "rope_parameters", as_dict.get("rope_parameters")):
+        as_dict.update(added)
     for alias, name in getattr(config_class, "attribute_map", {}).items():  # e.g. num_experts -> num_local_experts
         if name in as_dict and alias not in as_dict:
             as_dict[alias] = as_dict[name]
+
+
+def _reads_back(config_class: type, as_dict: dict, key: str, expected) -> bool:
+    """True when ``config_class`` built from ``as_dict`` holds ``expected`` under ``key``."""
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its checks of the values it is given are not this save's business
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return config_class.from_dict(as_dict).to_dict().get(key) == expected
+    except Exception:  # noqa: BLE001 (a config the class cannot read back: the keys stay out)
+        return False
+    finally:
+        transformers.logging.set_verbosity(level)
 
 
 def save_pretrained(

@@ -234,7 +234,7 @@ def _cat_tokens(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 class _Float8LayerMixin:
     """Shared by the dynamic and the static FP8 layer: scales, centering, quantize and read."""
 
-    calibration_cache = False  # see _setup
+    calibration_cache = False  # see _first_update_stats
 
     def _setup(self, attention: nn.Module) -> None:
         self.attention = attention
@@ -244,10 +244,6 @@ class _Float8LayerMixin:
         self.value_scale: torch.Tensor | None = None
         self.key_mean: torch.Tensor | None = None  # [B, H, 1, D] when centering
         self.out_dtype: torch.dtype | None = None
-        # A cache made while its layer calibrates runs as an uncalibrated one does (per-sequence scales, keys
-        # rounded to nearest), whatever an earlier calibration set: what a calibration measures in the layers
-        # after this one then does not depend on the ones before it.
-        self.calibration_cache = bool(getattr(attention, "qfp8_kv_calibrating", False))
 
     def __deepcopy__(self, memo):
         # A copied cache (transformers' prompt reuse: deepcopy a filled cache,
@@ -274,7 +270,14 @@ class _Float8LayerMixin:
         )
 
     def _first_update_stats(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Per-sequence statistics fixed by the first update: key mean, dynamic per-head scales."""
+        """Per-sequence statistics fixed by the first update: key mean, dynamic per-head scales.
+
+        A sequence begun while the layer calibrates runs as in an uncalibrated layer (per-sequence scales,
+        keys rounded to nearest), whatever an earlier calibration set: what a calibration measures in the
+        layers after this one then does not depend on the ones before it. One begun outside (a reset cache
+        included) uses the static scales.
+        """
+        self.calibration_cache = bool(getattr(self.attention, "qfp8_kv_calibrating", False))
         mean = key_states.to(torch.float32).mean(dim=-2, keepdim=True) if self.center_keys else None
         keys = key_states.to(torch.float32) - mean if mean is not None else key_states
         return mean, per_head_scale(keys, self.fp8_dtype), per_head_scale(value_states, self.fp8_dtype)

@@ -181,7 +181,7 @@ TRANSFORMERS_SAVE_REFUSED = (
 )
 
 
-def _refuse_transformers_writer() -> None:
+def _refuse_transformers_writer(layer: nn.Module) -> None:
     """Raises when transformers' ``save_pretrained`` asks for the state dict.
 
     ``quantize`` replaces the ``save_pretrained`` of the model it is given;
@@ -189,7 +189,10 @@ def _refuse_transformers_writer() -> None:
     then ``m.save_pretrained``), which would write the FP8 bytes with no
     quantization config.
     """
-    frame = sys._getframe(2)
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # called from a shallow stack (a thread's entry point): no save_pretrained above
+        return
     for _ in range(64):  # save_pretrained -> state_dict, then one frame per module level
         if frame is None:
             return
@@ -197,7 +200,10 @@ def _refuse_transformers_writer() -> None:
             frame.f_code.co_name == "save_pretrained"
             and frame.f_globals.get("__name__") == "transformers.modeling_utils"
         ):
-            raise RuntimeError(TRANSFORMERS_SAVE_REFUSED)
+            saved = frame.f_locals.get("self")  # the model transformers writes: refused only if it holds the layer
+            if isinstance(saved, nn.Module) and any(module is layer for module in saved.modules()):
+                raise RuntimeError(TRANSFORMERS_SAVE_REFUSED)
+            return
         frame = frame.f_back
 
 
@@ -600,8 +606,8 @@ class QLinear(nn.Module):
         if isinstance(x, Float8ActivationTensor):
             # Already FP8 (an nn.Linear took it through F.linear's handler): the subclass route multiplies it.
             return nn.functional.linear(x, self.weight, self.bias)
-        if isinstance(x, torch.Tensor) and x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
-            # As torch.autocast runs nn.Linear: a float32 input goes in (and comes out) in the autocast dtype.
+        if isinstance(x, torch.Tensor) and x.dtype in formats.FLOAT_DTYPES and torch.is_autocast_enabled(x.device.type):
+            # As torch.autocast runs nn.Linear: the input goes in (and comes out) in the autocast dtype.
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if self.calibrating:
             try:
@@ -734,7 +740,7 @@ class QLinear(nn.Module):
 
     # --------------------------------------------------------- state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        _refuse_transformers_writer()
+        _refuse_transformers_writer(self)
         if _STATE_SPEC_ONLY.get():
             weight = torch.empty(self.out_features, self.in_features, dtype=self.scheme.weight_dtype, device="meta")
         else:

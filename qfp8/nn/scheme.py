@@ -43,7 +43,7 @@ class QuantizationScheme:
             )
         # Checked whatever weight_scale is (a sweep may pass one block_size to every granularity), used for "block"
         block = formats._check_block_size(block_size) if weight_scale == "block" else ()
-        if weight_scale != "block":
+        if weight_scale != "block" and block_size not in ((), None):  # () is what such a scheme holds
             formats._check_block_size(block_size)
         # activation_scale defaults to "token": another value with activations that do not use it is a mistake
         if activations is None and activation_scale != "token":

@@ -625,3 +625,35 @@ def test_a_tied_head_given_its_own_weight_is_saved_untied(tiny, tmp_path, x):
     qfp8.quantize(tied)
     qfp8.save_pretrained(tied, tmp_path / "tied")
     assert json.loads((tmp_path / "tied" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_a_float_model_saved_by_transformers_may_read_a_quantized_ones_state(tiny, tmp_path):
+    """Only the model transformers writes is checked: a hook of a float model reading a quantized model's state
+    dict (a teacher or EMA copy) during the float model's save_pretrained is not refused."""
+    quantized = tiny.model()
+    qfp8.quantize(quantized)
+    student = tiny.model(seed=1)
+    snapshots = []
+    student.register_state_dict_post_hook(lambda *args: snapshots.append(quantized.state_dict()))
+    student.save_pretrained(tmp_path / "student")
+    assert snapshots and (tmp_path / "student" / "model.safetensors").exists()
+
+
+def test_models_with_rope_per_layer_type_save_and_load(tmp_path, x):
+    """The transformers-4 RoPE keys are written only where transformers 5 reads the file back the same."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, head_dim=16)  # fmt: skip
+    for model_type, extra in (
+        ("laguna", dict(layer_types=["sliding_attention", "full_attention"])),
+        ("gemma3_text", dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16)),
+    ):
+        torch.manual_seed(0)
+        config = transformers.CONFIG_MAPPING[model_type](**sizes, **extra)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        qfp8.quantize(model)
+        qfp8.save_pretrained(model, tmp_path / model_type)
+        reloaded = qfp8.from_pretrained(tmp_path / model_type)
+        assert reloaded.config.rope_parameters == model.config.rope_parameters
+        with torch.no_grad():
+            assert torch.equal(reloaded(x).logits, model(x).logits)

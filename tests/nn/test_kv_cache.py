@@ -705,3 +705,17 @@ def test_calibrating_again_on_the_same_data_gives_the_same_scales(prompt):
     for later in states[1:]:
         for first, again in zip(states[0], later, strict=True):
             assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_a_cache_used_in_calibration_then_reset_uses_the_calibrated_scales(prompt):
+    """A server keeps one StaticCache: filled inside calibrate, then reset, it must run as a fresh cache does."""
+    model = tiny_llama(layers=3)
+    qfp8.quantize(model, weights=None, kv_cache="float8_e4m3fn")
+    kept = StaticCache(config=model.config, max_cache_len=64)
+    with qfp8.calibrate(model), torch.no_grad():
+        model(prompt, past_key_values=kept, use_cache=True)
+    kept.reset()
+    with torch.no_grad():
+        reused = model(prompt, past_key_values=kept, use_cache=True).logits
+        fresh = model(prompt, past_key_values=StaticCache(config=model.config, max_cache_len=64), use_cache=True).logits
+    assert torch.equal(reused, fresh)

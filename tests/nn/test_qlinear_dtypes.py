@@ -81,3 +81,6 @@ def test_autocast_runs_the_layer_in_its_dtype_as_for_nn_linear():
             assert out.dtype == reference.dtype == compiled.dtype == torch.bfloat16
             assert torch.equal(out, expected) and torch.equal(compiled, expected)
         assert model(x).dtype == torch.float32  # outside autocast: the input's dtype
+        model.to(torch.bfloat16)  # a bf16 model under fp16 autocast: fp16 in and out, as nn.Linear
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert model(x.bfloat16()).dtype == float_model.bfloat16()(x.bfloat16()).dtype == torch.float16

@@ -389,23 +389,31 @@ struct ChunkRuns {
 // Rows x a converted panel of `count` pairs; adds each run's sums (times the
 // tile's block scales `lane` [run][2], and each row's group scale
 // `row` [run][kMaxRows], when given) into the rows' lane-order accumulators.
+// The register block's sums over the panel's pairs [begin, end): acc[r][j] is
+// row r times channels 16 j.. of the tile in lane order; the prefetch asks for
+// a line per pair.
+template <int Rows>
+inline void panel_sums(const __m512i* panel, const uint32_t* x, int64_t ld, int64_t begin, int64_t end,
+                       const uint8_t* prefetch, __m512 (&acc)[Rows][2]) {
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t i = begin; i < end; ++i) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGroupBytes), _MM_HINT_T0);
+    const __m512i w0 = _mm512_load_si512(panel + 2 * i);
+    const __m512i w1 = _mm512_load_si512(panel + 2 * i + 1);
+    for (int r = 0; r < Rows; ++r) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * ld + i]));
+      acc[r][0] = dot(acc[r][0], w0, xv);
+      acc[r][1] = dot(acc[r][1], w1, xv);
+    }
+  }
+}
+
 template <int Rows>
 void panel_rows(const __m512i* panel, const uint32_t* x, int64_t ld, float* const* acc_rows, int runs,
                 const int64_t* run_end, const __m512* lane, const float* row, const uint8_t* prefetch) {
-  int64_t i = 0;
   for (int run = 0; run < runs; ++run) {
     __m512 acc[Rows][2];
-    for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (; i < run_end[run]; ++i) {
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGroupBytes), _MM_HINT_T0);
-      const __m512i w0 = _mm512_load_si512(panel + 2 * i);
-      const __m512i w1 = _mm512_load_si512(panel + 2 * i + 1);
-      for (int r = 0; r < Rows; ++r) {
-        const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * ld + i]));
-        acc[r][0] = dot(acc[r][0], w0, xv);
-        acc[r][1] = dot(acc[r][1], w1, xv);
-      }
-    }
+    panel_sums<Rows>(panel, x, ld, run ? run_end[run - 1] : 0, run_end[run], prefetch, acc);
     // In row order: two virtual rows of one output row add one after the other.
     for (int r = 0; r < Rows; ++r) {
       for (int j = 0; j < 2; ++j) {
@@ -425,17 +433,7 @@ template <int Rows>
 void panel_rows_store(const LinearProblem& p, const __m512i* panel, const uint32_t* x, int64_t ld, int64_t count,
                       int64_t m0, int64_t tile, const float* mult, const uint8_t* prefetch) {
   __m512 acc[Rows][2];
-  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < count; ++i) {
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGroupBytes), _MM_HINT_T0);
-    const __m512i w0 = _mm512_load_si512(panel + 2 * i);
-    const __m512i w1 = _mm512_load_si512(panel + 2 * i + 1);
-    for (int r = 0; r < Rows; ++r) {
-      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * ld + i]));
-      acc[r][0] = dot(acc[r][0], w0, xv);
-      acc[r][1] = dot(acc[r][1], w1, xv);
-    }
-  }
+  panel_sums<Rows>(panel, x, ld, 0, count, prefetch, acc);
   for (int r = 0; r < Rows; ++r) store_lanes(p, m0 + r, tile, acc[r][0], acc[r][1], mult);
 }
 
