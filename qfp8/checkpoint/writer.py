@@ -16,6 +16,7 @@ under their first name, as transformers does; loading ties them again.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -454,7 +455,8 @@ def _reads_back(config_class: type, as_dict: dict, key: str, expected) -> bool:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return config_class.from_dict(as_dict).to_dict().get(key) == expected
+            # A copy: transformers edits the nested dicts it is given (it puts rope_theta into rope_scaling).
+            return config_class.from_dict(copy.deepcopy(as_dict)).to_dict().get(key) == expected
     except Exception:  # noqa: BLE001 (a config the class cannot read back: the keys stay out)
         return False
     finally:
