@@ -461,6 +461,16 @@ def quantize(
                 f"{', '.join(map(repr, others))}, which stays in float (tied weights, e.g. tie_word_embeddings); "
                 "to quantize it, give it its own copy of the weight first"
             )
+    sharing: dict[int, list[str]] = {}  # quantized Linears that are different modules holding one weight
+    for entry in linears:
+        if entry.quantized:
+            sharing.setdefault(id(modules[entry.name].weight), []).append(entry.name)
+    for names in (names for names in sharing.values() if len(names) > 1):
+        notes.append(
+            f"quantize: {', '.join(map(repr, names))} hold one weight Parameter; each gets its own FP8 copy (the "
+            f"tie is not kept, and the weight's bytes count {len(names)} times): make them one module to quantize "
+            "it once (a module shared under several names is), or exclude all but one"
+        )
     if user_patterns:
         notes += unmatched_exclude_notes(exclude, linear_names, type(model).__name__, "quantize")
     quantized_experts = {id(item.module._parameters[item.attr]) for entry, item in experts if entry.quantized}

@@ -91,13 +91,6 @@ def test_tied_lm_head_stays_float_with_one_warning_and_the_checkpoint_loads(tmp_
     assert torch.equal(model(ids).logits, loaded(ids).logits)
 
 
-def test_linears_sharing_a_weight_with_each_other_are_still_quantized():
-    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
-    model[1].weight = model[0].weight
-    _, report = quantize_quietly(model)
-    assert len(report.quantized) == 2
-
-
 def test_a_linear_tied_to_an_excluded_linear_stays_float():
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
     model[1].weight = model[0].weight
@@ -339,3 +332,18 @@ def test_a_shared_linear_is_excluded_by_any_of_its_names():
         assert type(model.decoder_proj) is nn.Linear and model.decoder_proj is model.encoder_proj
         assert report.entries[0].reason.startswith(f"excluded by pattern {pattern!r}")
         assert isinstance(model.head, qfp8.QLinear)
+
+
+def test_linears_sharing_one_weight_are_warned_about():
+    """Two modules holding one Parameter (not one module under two names) get two FP8 copies: said, not silent."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    model[2].weight = model[0].weight
+    with pytest.warns(UserWarning, match=r"'0', '2' hold one weight Parameter; each gets its own FP8 copy"):
+        _, report = qfp8.quantize(model)
+    assert len(report.quantized) == 2 and isinstance(model[0], QLinear) and isinstance(model[2], QLinear)
+    shared = nn.Sequential(nn.Linear(16, 16))
+    shared.add_module("again", shared[0])  # one module, two names: quantized once, nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qfp8.quantize(shared)
+    assert shared[0] is shared.again
