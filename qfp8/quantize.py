@@ -292,6 +292,19 @@ def _find_other_weights(model: nn.Module, report: QuantizeReport, quantized_expe
     report.other_fraction = other / (linear + other) if other else 0.0
 
 
+def other_weight_kinds(model: nn.Module, fused_experts=frozenset()) -> list[str]:
+    """The classes of the modules that hold float matrix weights outside ``nn.Linear`` (GPT-2's ``Conv1D``), as
+    :func:`_find_other_weights` finds them; ``fused_experts``: ids of fused experts parameters, not counted."""
+    report = QuantizeReport()
+    _find_other_weights(model, report, fused_experts)
+    return sorted({other.kind for other in report.others})
+
+
+def other_kinds_clause(kinds: list[str]) -> str:
+    """The part of a "nothing was quantized" message naming the weight-holding classes qfp8 does not take."""
+    return f"{', '.join(kinds)} layers have weights but qfp8 quantizes nn.Linear (and fused MoE experts) only"
+
+
 def _first_names(names: list[str], limit: int) -> str:
     """``names`` for a message: the first ``limit``, then how many more."""
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -383,10 +396,8 @@ def quantize(
     if weights is None:
         if kv_cache is None:
             raise ValueError("quantize: weights=None and kv_cache=None leave nothing to quantize")
-        attention_before = _attention_implementation(model)
         report = QuantizeReport()
-        _enable_kv_cache(model, kv_cache, report)
-        report.attention = _attention_change(model, attention_before)
+        _set_up_attention(model, kv_cache, report, pack_heads=False)  # the FP8 cache's attention replaces sdpa
         return QuantizeResult(outer, report)
     scheme = QuantizationScheme.from_args(weights, weight_scale, activations, activation_scale, block_size)
     rounding.check_mode(accuracy)
@@ -491,8 +502,7 @@ def quantize(
             else "it has no nn.Linear"
         )
         if report.others:  # GPT-2's Conv1D, for one
-            kinds = sorted({other.kind for other in report.others})
-            why += f"; {', '.join(kinds)} layers have weights but qfp8 quantizes nn.Linear (and fused MoE experts) only"
+            why += "; " + other_kinds_clause(sorted({other.kind for other in report.others}))
         notes.append(f"quantize: nothing was quantized in {type(model).__name__}: {why}")
     elif report.other_fraction >= OTHER_WEIGHTS_WARNING:  # fused MoE experts, for one
         notes.append(f"quantize: {type(model).__name__}: {report.others_summary()}")
@@ -540,13 +550,7 @@ def quantize(
             entry.scheme = scheme.describe() + (f" accuracy-{accuracy}" if accuracy else "")
             entry.kernel = qexperts.packing
             del qexperts
-    from qfp8.nn.attention import use_packed_sdpa
-
-    attention_before = _attention_implementation(model)
-    use_packed_sdpa(model)
-    if kv_cache is not None:
-        _enable_kv_cache(model, kv_cache, report)
-    report.attention = _attention_change(model, attention_before)
+    _set_up_attention(model, kv_cache, report, pack_heads=True)
     model.qfp8_scheme = scheme
     if report.quantized:
         guard_transformers_save(model)
@@ -569,29 +573,29 @@ def _attention_implementation(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
-def _attention_change(model: nn.Module, before: str | None) -> str:
-    """The report's line on the attention implementation quantize switched the model to ("" if none)."""
-    from qfp8.nn.attention import PACKED_SDPA
-    from qfp8.nn.kv_cache import FUSED_ATTENTION
+def _set_up_attention(model: nn.Module, kv_cache: str | None, report: QuantizeReport, pack_heads: bool) -> None:
+    """Switches the model's attention (packed SDPA when ``pack_heads``, the FP8 cache's with ``kv_cache``) and
+    fills the report's ``kv_cache`` and ``attention`` lines (the latter only when the implementation changed)."""
+    from qfp8.nn.attention import PACKED_SDPA, use_packed_sdpa
+    from qfp8.nn.kv_cache import FUSED_ATTENTION, enable_fp8_kv_cache
 
+    before = _attention_implementation(model)
+    if pack_heads:
+        use_packed_sdpa(model)
+    if kv_cache is not None:
+        layers = enable_fp8_kv_cache(model, formats.fp8_dtype(kv_cache))
+        report.kv_cache = (
+            f"{kv_cache} in {len(layers)} attention module{'s' if len(layers) != 1 else ''}; static per-tensor "
+            "scales once calibrated (qfp8.calibrate), dynamic per-head scales until then"
+        )
     after = _attention_implementation(model)
     if after == before:
-        return ""
+        return
     what = {
         PACKED_SDPA: "one-token steps pack grouped-query heads, compiled too",
         FUSED_ATTENTION: "decode steps read the FP8 KV cache in qfp8's kernel; prefill runs SDPA",
     }.get(after)
-    return f"{before} -> {after}" + (f" ({what})" if what else "")
-
-
-def _enable_kv_cache(model: nn.Module, kv_cache: str, report: QuantizeReport) -> None:
-    from qfp8.nn.kv_cache import enable_fp8_kv_cache
-
-    layers = enable_fp8_kv_cache(model, formats.fp8_dtype(kv_cache))
-    report.kv_cache = (
-        f"{kv_cache} in {len(layers)} attention module{'s' if len(layers) != 1 else ''}; static per-tensor "
-        "scales once calibrated (qfp8.calibrate), dynamic per-head scales until then"
-    )
+    report.attention = f"{before} -> {after}" + (f" ({what})" if what else "")
 
 
 class TransformersSaveRefused:

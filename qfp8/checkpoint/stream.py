@@ -78,6 +78,8 @@ from qfp8.quantize import (
     exclude_patterns,
     excluded_by,
     float_linear_reason,
+    other_kinds_clause,
+    other_weight_kinds,
     unmatched_exclude_notes,
 )
 
@@ -149,17 +151,7 @@ def _linear_names(config_dir: Path) -> ModelLinears:
     for item in fused:
         for expert in names.expert_modules(item.name, item.module._parameters[item.attr].shape[0]) or ():
             parts.update((part, (item.name, expert)) for part in expert)
-    handled = (torch.nn.Linear, torch.nn.Embedding)
-    fused_modules = {id(item.module) for item in fused}
-    others = sorted(
-        {
-            type(m).__name__
-            for m in model.modules()
-            if not isinstance(m, handled)
-            and id(m) not in fused_modules
-            and any(p.dim() >= 2 and p.is_floating_point() for p in m.parameters(recurse=False))
-        }
-    )
+    others = other_weight_kinds(model, {id(item.module._parameters[item.attr]) for item in fused})
     return ModelLinears(linears, parts, type(model).__name__, others)
 
 
@@ -177,10 +169,7 @@ def _nothing_quantized(model: ModelLinears, reasons: dict[str, str], user_patter
         if user_patterns and all(reason.startswith("excluded by --exclude") for reason in reasons.values()):
             why += "; give --exclude patterns that leave some to quantize"
     if model.other_kinds:  # GPT-2's Conv1D, for one
-        why += (
-            f"; {', '.join(model.other_kinds)} layers have weights but qfp8 quantizes nn.Linear (and fused MoE "
-            "experts) only"
-        )
+        why += "; " + other_kinds_clause(model.other_kinds)
     return f"nothing to quantize in {model.model_name}: {why}; no checkpoint written"
 
 

@@ -41,10 +41,11 @@ class QuantizationScheme:
                 f"unknown activation_scale {activation_scale!r}; "
                 f"expected one of {list(formats.ACTIVATION_GRANULARITIES)}"
             )
-        # Checked whatever weight_scale is (a sweep may pass one block_size to every granularity), used for "block"
-        block = formats._check_block_size(block_size) if weight_scale == "block" else ()
-        if weight_scale != "block" and block_size not in ((), None):  # () is what such a scheme holds
-            formats._check_block_size(block_size)
+        # Checked whatever weight_scale is (a sweep may pass one block_size to every granularity; () or None,
+        # what a scheme without blocks holds, pass), used by "block" only
+        if weight_scale == "block" or block_size not in ((), None):
+            block_size = formats._check_block_size(block_size)
+        block = block_size if weight_scale == "block" else ()
         # activation_scale defaults to "token": another value with activations that do not use it is a mistake
         if activations is None and activation_scale != "token":
             raise ValueError(
