@@ -172,20 +172,10 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
     return total, linear
 
 
-def default_exclude(model: nn.Module) -> list[str]:
-    """Every Linear is quantized, lm_head included, unless lm_head shares its
-    weight with the input embedding (SmolLM2): quantizing it would then store
-    an FP8 copy beside the bf16 table the embedding still needs."""
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = head is not None and embed is not None and head.weight is embed.weight
-    return ["lm_head"] if tied else []
-
-
 def quantized_copy(model: nn.Module, scheme: dict, prompt: torch.Tensor, exclude) -> tuple[nn.Module, list[str]]:
     model = copy.deepcopy(model)
-    if exclude is None:
-        exclude = default_exclude(model)
-    _, report = qfp8.quantize(model, exclude=exclude, **scheme)
+    # Every Linear by default, lm_head included: a tied one (SmolLM2) takes its embedding along (one FP8 table).
+    _, report = qfp8.quantize(model, exclude=[] if exclude is None else exclude, **scheme)
     if scheme.get("activations") == "static":
         with qfp8.calibrate(model):
             model(prompt)
@@ -502,7 +492,7 @@ def parse_args(argv=None):
         "--exclude",
         nargs="*",
         default=None,
-        help="qfp8.quantize exclude patterns (default: lm_head only when it is tied to the embedding)",
+        help="qfp8.quantize exclude patterns (default: none, lm_head and a tied embedding quantized too)",
     )
     parser.add_argument("--fast-path-calls", type=int, default=2000, help="calls per shape for the fast-path table")
     parser.add_argument("--no-fast-path", action="store_true", help="skip the fast-path table")

@@ -16,6 +16,7 @@ from torch.nn.utils.weight_norm import WeightNorm  # the hook class (torch.nn.ut
 
 from qfp8 import formats, rounding
 from qfp8.nn import QLinear, QuantizationScheme
+from qfp8.nn.embedding import QEmbedding, is_plain_embedding
 from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_fp8_experts
 from qfp8.nn.qlinear import TRANSFORMERS_SAVE_REFUSED
 
@@ -82,6 +83,7 @@ class QuantizeReport:
     other_fraction: float = 0.0
     attention: str = ""  # how quantize changed the model's attention implementation, if it did
     kv_cache: str = ""  # the FP8 KV cache, if quantize turned it on
+    tied_embeddings: list[str] = field(default_factory=list)  # embeddings reading a quantized head's rows
 
     @property
     def quantized(self) -> list[ReportEntry]:
@@ -112,6 +114,7 @@ class QuantizeReport:
         lines.append(f"{len(self.quantized)} quantized, {len(self.skipped)} skipped")
         if self.others:
             lines.append(self.others_summary())
+        lines += [f"tied embedding: {line}" for line in self.tied_embeddings]
         if self.kv_cache:
             lines.append(f"KV cache: {self.kv_cache}")
         if self.attention:
@@ -226,6 +229,35 @@ def _tied_float_holders(model: nn.Module, quantized: list[nn.Module]) -> dict[in
         others = [name for name, module in holders.get(id(linear.weight), []) if id(module) not in quantized_ids]
         if others:
             tied[id(linear)] = others
+    return tied
+
+
+def _untieable(modules: dict[str, nn.Module], others: list[str], exclude) -> str | None:
+    """Why the float modules ``others`` sharing a quantized Linear's weight cannot read it from FP8 (None: they
+    are one plain ``nn.Embedding``, which becomes a QEmbedding)."""
+    holders = {id(modules[name]) for name in others}
+    embedding = modules[others[0]]
+    if len(holders) > 1 or not isinstance(embedding, nn.Embedding):
+        return "tied weights, e.g. tie_word_embeddings"
+    if not is_plain_embedding(embedding):
+        return f"a {type(embedding).__name__} with its own forward, max_norm or sparse gradients"
+    if pattern := excluded_by(others[0], exclude):
+        return f"excluded by pattern {pattern!r}"
+    return None
+
+
+def tie_embedding(model: nn.Module, head_name: str, embedding_name: str) -> QEmbedding:
+    """Replaces the plain ``nn.Embedding`` ``embedding_name`` (under each of its names) by a QEmbedding that
+    reads its rows from the QLinear ``head_name``, and sets ``config.tie_word_embeddings`` false: qfp8 keeps
+    the tie, transformers must not tie the FP8 head to the embedding again."""
+    embedding = model.get_submodule(embedding_name)
+    tied = QEmbedding.tied_to(embedding, model.get_submodule(head_name), head_name, embedding_name)
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if module is embedding:
+            _set_submodule(model, name, tied)
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False
     return tied
 
 
@@ -364,9 +396,13 @@ def quantize(
     per-token ones: vLLM computes ``amax / fmax`` for them, qfp8 searches.
     ``exclude``: fnmatch patterns on a Linear's full dotted name or its tail
     (None: none); a pattern you give that matches no ``nn.Linear`` is warned
-    about. A Linear whose weight is the same Parameter as that of a module
-    kept in float (a tied ``lm_head`` and its embedding) stays in float, with
-    a warning. A MoE gate that is an nn.Linear (Qwen2-MoE's ``shared_expert_gate``) stays in float
+    about. A Linear whose weight is the same Parameter as a plain
+    ``nn.Embedding``'s (a tied ``lm_head``, when ``exclude`` lets it be
+    quantized) is quantized and the embedding becomes a
+    :class:`qfp8.nn.embedding.QEmbedding` that reads its rows from the FP8
+    weight (the float table goes; ``config.tie_word_embeddings`` is set false,
+    as the saved checkpoint says). Tied to any other module kept in float, it
+    stays in float, with a warning. A MoE gate that is an nn.Linear (Qwen2-MoE's ``shared_expert_gate``) stays in float
     whatever ``exclude`` says, as the routers do (:data:`FLOAT_LINEARS`). Hooks registered on a Linear
     move to its QLinear. A refused
     call (ValueError) leaves the model as it was.
@@ -455,23 +491,30 @@ def quantize(
         experts.append((entry, item))
         report.entries.append(entry)
 
-    # A Linear tied to a module kept in float (an lm_head and its embedding)
-    # stays in float: quantizing it would replace the shared Parameter by an
-    # FP8 copy, breaking the tie and any checkpoint saved from the model.
+    # A Linear tied to a plain nn.Embedding (a tied lm_head) is quantized and
+    # the embedding then reads its rows from the FP8 weight (QEmbedding): the
+    # table stays one, in FP8. Tied to anything else kept in float, it stays
+    # in float: an FP8 copy would break the tie and any checkpoint saved from the model.
     modules = dict(model.named_modules(remove_duplicate=False))
     notes = []
     linears = [entry for entry in report.quantized if not entry.experts]
     tied = _tied_float_holders(model, [modules[entry.name] for entry in linears])
+    ties: dict[str, str] = {}  # a quantized Linear's name -> the name of the embedding tied to it
     for entry in linears:
         others = tied.get(id(modules[entry.name]))
-        if others:
-            entry.quantized = False
-            entry.reason = f"weight tied to {', '.join(others)} (kept in float)"
-            notes.append(
-                f"quantize: {entry.name!r} is kept in float: its weight is the same Parameter as that of "
-                f"{', '.join(map(repr, others))}, which stays in float (tied weights, e.g. tie_word_embeddings); "
-                "to quantize it, give it its own copy of the weight first"
-            )
+        if not others:
+            continue
+        why = _untieable(modules, others, exclude)
+        if why is None:
+            ties[entry.name] = others[0]
+            continue
+        entry.quantized = False
+        entry.reason = f"weight tied to {', '.join(others)} (kept in float)"
+        notes.append(
+            f"quantize: {entry.name!r} is kept in float: its weight is the same Parameter as that of "
+            f"{', '.join(map(repr, others))}, which stays in float ({why}); "
+            "to quantize it, give it its own copy of the weight first"
+        )
     sharing: dict[int, list[str]] = {}  # quantized Linears that are different modules holding one weight
     for entry in linears:
         if entry.quantized:
@@ -550,6 +593,9 @@ def quantize(
             entry.scheme = scheme.describe() + (f" accuracy-{accuracy}" if accuracy else "")
             entry.kernel = qexperts.packing
             del qexperts
+    for head_name, embedding_name in ties.items():
+        tie_embedding(model, head_name, embedding_name)
+        report.tied_embeddings.append(f"{embedding_name} reads its rows from {head_name}'s FP8 weight (one table)")
     _set_up_attention(model, kv_cache, report, pack_heads=True)
     model.qfp8_scheme = scheme
     if report.quantized:

@@ -73,22 +73,41 @@ def test_kv_cache_on_an_encoder_decoder_is_refused_before_any_change():
 
 
 # ------------------------------------------------------------ tied weights
-def test_tied_lm_head_stays_float_with_one_warning_and_the_checkpoint_loads(tmp_path):
+def test_tied_lm_head_is_quantized_quietly_and_the_embedding_reads_its_fp8_rows(tmp_path):
     model = tiny_llama(tie=True)
     ids = torch.randint(0, 256, (1, 8))
+    _, report = quantize_quietly(model, exclude=())
+    assert "8 quantized, 0 skipped" in str(report)
+    assert "tied embedding: model.embed_tokens reads its rows from lm_head's FP8 weight" in str(report)
+    assert isinstance(model.lm_head, QLinear) and model.get_input_embeddings().head is model.lm_head
+    assert model.config.tie_word_embeddings is False  # qfp8 holds the tie; transformers must not redo it
+    qfp8.save_pretrained(model, tmp_path)
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert loaded.get_input_embeddings().head is loaded.lm_head
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_lm_head_tied_to_an_embedding_with_its_own_forward_stays_float_with_one_warning():
+    class ScaledEmbedding(nn.Embedding):  # as Gemma's: rows times a factor
+        def forward(self, ids):
+            return super().forward(ids) * 8.0
+
+    model = tiny_llama(tie=True)
+    embedding = ScaledEmbedding(256, 64)
+    embedding.weight = model.lm_head.weight
+    model.model.embed_tokens = embedding
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, report = qfp8.quantize(model, exclude=())
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1, messages
     assert "'lm_head' is kept in float" in messages[0] and "'model.embed_tokens'" in messages[0]
+    assert "a ScaledEmbedding with its own forward" in messages[0]
     entry = {e.name: e for e in report.entries}["lm_head"]
     assert not entry.quantized and entry.reason == "weight tied to model.embed_tokens (kept in float)"
-    assert "lm_head" in str(report) and "7 quantized, 1 skipped" in str(report)
+    assert "7 quantized, 1 skipped" in str(report)
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
-    qfp8.save_pretrained(model, tmp_path)
-    loaded = qfp8.from_pretrained(tmp_path)
-    assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert model.config.tie_word_embeddings is True
 
 
 def test_a_linear_tied_to_an_excluded_linear_stays_float():

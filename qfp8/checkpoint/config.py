@@ -99,6 +99,10 @@ def kv_cache_scheme(dtype: torch.dtype | None, dynamic: bool = False) -> dict | 
 
 
 KV_DTYPE_KEY = "qfp8_kv_cache_dtype"
+# config.json (top level): {embedding: head} for each embedding that reads a quantized lm_head's rows (a
+# QEmbedding). The checkpoint stores the embedding as the head's dequantized table, untied, which any
+# loader reads; qfp8's ties them again.
+TIED_EMBEDDINGS_KEY = "qfp8_tied_embeddings"
 TOKEN_MSE_KEY = "qfp8_token_mse_groups"
 # The dynamic activation strategies of compressed-tensors that qfp8 reads.
 DYNAMIC_STRATEGIES = ("tensor", "token", "group")

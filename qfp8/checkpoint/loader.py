@@ -23,11 +23,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames
 from qfp8.checkpoint.readers import CheckpointPlan, check_scale, check_scale_dtype, open_checkpoint
 from qfp8.checkpoint.safetensors_io import SafetensorsFile
 from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.nn.attention import use_packed_sdpa
+from qfp8.nn.embedding import QEmbedding, is_plain_embedding
 from qfp8.nn.experts import QExperts, find_fused_experts, use_fp8_experts
 from qfp8.nn.qlinear import state_spec
 
@@ -425,6 +427,9 @@ def assign_state(
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]
         if tensor is not None and tensor.device.type == "meta"
     ]
+    for module in model.modules():
+        if isinstance(module, QEmbedding):
+            module.check_loaded()  # a loaded table must be the rows of the head it reads
     missing = sorted(set(result.missing_keys) & set(still_meta)) or still_meta
     if missing:
         source = f"{plan.directory}" if plan is not None else "the state dict"
@@ -432,6 +437,41 @@ def assign_state(
             f"{source} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:5])}"
             + (" ..." if len(missing) > 5 else "")
         )
+
+
+def _tie_loaded_embeddings(model: nn.Module, tied, directory: Path) -> None:
+    """Ties each embedding config.json lists (``qfp8_tied_embeddings``) to its quantized head again: the
+    loaded float table must be the head's dequantized rows (checked), and is then dropped."""
+    if tied is None:
+        return
+    from qfp8.quantize import tie_embedding  # quantize imports the checkpoint package
+
+    where = f"{directory}/config.json: {qconfig.TIED_EMBEDDINGS_KEY}"
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise ValueError(f"{where} must map embedding names to head names, got {tied!r}")
+    names = CheckpointNames(model)
+    for embedding_name, head_name in tied.items():
+        embedding_name, head_name = (
+            names.to_model(n + ".weight").removesuffix(".weight") for n in (embedding_name, head_name)
+        )
+        try:
+            embedding, head = model.get_submodule(embedding_name), model.get_submodule(head_name)
+        except AttributeError:
+            raise ValueError(f"{where}: the model has no {embedding_name!r} or no {head_name!r} to tie") from None
+        if not isinstance(head, QLinear) or not is_plain_embedding(embedding):
+            raise ValueError(
+                f"{where}: {embedding_name!r} ({type(embedding).__name__}) can only be tied to {head_name!r} "
+                f"({type(head).__name__}) as a plain nn.Embedding to a quantized Linear"
+            )
+        table = embedding.weight.detach()
+        try:
+            tied_module = tie_embedding(model, head_name, embedding_name)
+            tied_module._loaded = table
+            tied_module.check_loaded()
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+        release_pages(table)
+        del table, embedding
 
 
 def _release_if_copied(module: QLinear, stored: torch.Tensor) -> None:
@@ -668,6 +708,7 @@ def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu",
     if plan.kv_cache_dtype is not None:
         enable_kv_cache_skeleton(model, plan.kv_cache_dtype)
     assign_state(model, state, plan, expert_weights)
+    _tie_loaded_embeddings(model, checkpoint.config.get(qconfig.TIED_EMBEDDINGS_KEY), checkpoint.directory)
     _load_kv_rounding(model, checkpoint.directory, plan.kv_cache_dtype is not None)
     model.qfp8_source = str(checkpoint.directory)
     model.qfp8_checkpoint_format = plan.format

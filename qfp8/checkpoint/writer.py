@@ -34,6 +34,7 @@ from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames, split_rows
 from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, PlannedTensor, write_safetensors
 from qfp8.nn import QLinear
+from qfp8.nn.embedding import QEmbedding
 from qfp8.nn.experts import QExperts, find_fused_experts
 from qfp8.quantize import check_calibrated, unwrapped
 
@@ -154,6 +155,12 @@ def plan_model_tensors(model: nn.Module) -> list[PlannedTensor]:
         prefix = module_name + "." if module_name else ""
         if isinstance(module, QExperts):
             plan += _plan_experts(module, module_name, names)
+            continue
+        if isinstance(module, QEmbedding):  # the tied head's dequantized rows, as a float table
+            shape = (module.num_embeddings, module.embedding_dim)
+            plan.append(
+                PlannedTensor(names.to_checkpoint(prefix + "weight"), module.head.orig_dtype, shape, module.table)
+            )
             continue
         if isinstance(module, QLinear):
             plan.append(
@@ -400,8 +407,23 @@ def model_config_dict(model: nn.Module) -> dict:
         # The lm_head was given its own weight (to quantize it): a reader
         # would tie it to the embedding again, or refuse the FP8 head.
         as_dict["tie_word_embeddings"] = False
+    tied = tied_embeddings(model)
+    if tied:
+        as_dict[qconfig.TIED_EMBEDDINGS_KEY] = tied
     _add_transformers4_keys(config, as_dict)
     return as_dict
+
+
+def tied_embeddings(model: nn.Module) -> dict[str, str]:
+    """``{embedding: head}``, checkpoint module names, for each QEmbedding of ``model`` (an embedding that reads a
+    quantized lm_head's rows): config.json records them, so that qfp8's loader ties them again."""
+    names = CheckpointNames(model)
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QEmbedding):
+            embedding = names.to_checkpoint(name + ".weight").removesuffix(".weight")
+            found[embedding] = names.to_checkpoint(module.head_name + ".weight").removesuffix(".weight")
+    return found
 
 
 def _output_embeddings_tied(model: nn.Module) -> bool:

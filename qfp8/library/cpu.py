@@ -471,6 +471,15 @@ def _supports(request: KernelRequest) -> str | None:
     return None
 
 
+def _packed_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Rows ``ids`` of the canonical weight from the CPU layout (``packed[t][p][2 c + j] = W[32 t + c][2 p + j]``,
+    see kernel.h): ``[len(ids), K]``, the same FP8 codes ``unpack`` gives for those rows."""
+    tiles, pairs, _ = packed.shape
+    lanes = packed.view(torch.uint8).view(tiles, pairs, 32, 2)
+    rows = lanes[ids // 32, :, ids % 32]  # [len(ids), pairs, 2]: the two indices, apart, lead
+    return rows.reshape(ids.numel(), 2 * pairs)[:, :in_features].view(packed.dtype)
+
+
 if KERNEL_VERIFIED:
     register_kernel(
         "cpu",
@@ -482,6 +491,7 @@ if KERNEL_VERIFIED:
             unpack=torch.ops.qfp8.unpack_weight_cpu,
             extra_args=lambda r: (r.out_features, r.in_features, list(r.block_size), r.activation, r.activation_dtype),
             supports=_supports,
+            rows=_packed_rows,
         ),
         priority=10,
     )

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qfp8 import formats
 from qfp8.library import ops  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
 
 
@@ -58,6 +59,9 @@ class LinearKernel:
     extra_args: Callable[[KernelRequest], tuple]
     supports: Callable[[KernelRequest], str | None] = field(default=lambda request: None)
     eager_op: Callable[..., torch.Tensor] | None = None
+    # rows(packed, ids, N, K): rows ``ids`` (1-D int64) of the canonical weight, [len(ids), K], read
+    # from the layout without unpacking the others (an embedding lookup); None: unpack, then index.
+    rows: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor] | None = None
 
 
 def _identity_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -74,6 +78,7 @@ REFERENCE_KERNEL = LinearKernel(
     pack=_identity_pack,
     unpack=_identity_unpack,
     extra_args=lambda r: (list(r.block_size), r.activation, r.activation_dtype),
+    rows=lambda packed, ids, out_features, in_features: packed.index_select(0, ids),
 )
 
 _KERNELS: dict[str, list[tuple[int, LinearKernel]]] = {}
@@ -128,3 +133,34 @@ def select_kernel(request: KernelRequest) -> tuple[LinearKernel, list[str]]:
             return kernel, passed_over
         passed_over.append(f"{kernel.name}: {reason}")
     return REFERENCE_KERNEL, passed_over
+
+
+def dequantized_rows(
+    packing: str,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    block_size,
+    ids: torch.Tensor,
+    out_features: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows ``ids`` (int64, any shape) of the dequantized ``[N, K]`` weight held in ``packing``'s layout:
+    ``[*ids.shape, K]`` in ``dtype``, the bits of ``formats.dequantize_weight(...)[ids]`` (the same
+    float32 products), without unpacking the other rows. An embedding lookup of the FP8 weight."""
+    flat = ids.reshape(-1)
+    kernel = kernel_by_name(packing)
+    if kernel.rows is not None:
+        codes = kernel.rows(packed, flat, out_features, in_features)
+    else:
+        codes = kernel.unpack(packed, out_features, in_features).index_select(0, flat)
+    values = formats.fp8_to_float(codes)
+    if scale.numel() == 1:
+        values = values * scale.reshape(())
+    elif block_size:
+        block_n, block_k = block_size
+        row_scale = scale.index_select(0, flat // block_n).repeat_interleave(block_k, dim=1)
+        values = values * row_scale[:, :in_features]
+    else:
+        values = values * scale.reshape(-1, 1).index_select(0, flat)
+    return values.to(dtype).reshape(*ids.shape, in_features)

@@ -6,7 +6,8 @@ and ``dtype`` are those of the float weight it stands for, so code that asks
 ``weight.dtype`` or ``weight.shape`` sees what it expects.
 
 Handled: ``F.linear``, ``torch.matmul`` / ``@``, ``addmm`` (routed to the
-layout's kernel; a float64 input takes the reference op), ``detach``,
+layout's kernel; a float64 input takes the reference op), ``F.embedding``
+(the dequantized rows, read from the layout), ``detach``,
 ``clone``, ``to`` / ``type`` (a device move keeps FP8; a float ``dtype`` is an
 explicit dequantize), ``float`` / ``double`` / ``half`` / ``bfloat16``
 (dequantize, whatever dtype the weight reports), ``t`` / ``transpose``,
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from qfp8 import formats
 from qfp8.library import autograd
-from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest, kernel_by_name
+from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest, dequantized_rows, kernel_by_name
 from qfp8.tensor.base import CONVERSIONS, Float8Tensor, convert
 
 aten = torch.ops.aten
@@ -79,6 +80,22 @@ class Float8WeightTensor(Float8Tensor):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         w = formats.dequantize_weight(self.canonical_qdata(), self.scale, self.block_size, dtype or self.orig_dtype)
         return w.t() if self.transposed else w
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``self.dequantize(dtype)[ids]`` (an embedding lookup, ``[*ids.shape, K]``) without unpacking the
+        other rows."""
+        if self.transposed:
+            raise NotImplementedError("rows of a transposed FP8 weight: take them from the [out, in] weight")
+        return dequantized_rows(
+            self.packing,
+            self.qdata,
+            self.scale,
+            self.block_size,
+            ids.long(),
+            self.out_features,
+            self.in_features,
+            dtype or self.orig_dtype,
+        )
 
     def kernel_request(self, activation: str = "none", activation_dtype: torch.dtype | None = None) -> KernelRequest:
         return KernelRequest(
@@ -171,6 +188,28 @@ def _(func, types, args, kwargs):
     if not (isinstance(w, Float8WeightTensor) and w.transposed) or beta != 1 or alpha != 1:
         raise NotImplementedError(f"{func}: only addmm(bias, x, weight.t()) with beta = alpha = 1 is implemented")
     return _linear(x, w._with(transposed=False), bias)
+
+
+@Float8WeightTensor.implements(F.embedding, aten.embedding.default)
+def _(func, types, args, kwargs):
+    ids, weight = args[0], args[1]
+    if func is F.embedding:  # (input, weight, padding_idx, max_norm, ...)
+        if (args[3] if len(args) > 3 else kwargs.get("max_norm")) is not None:
+            raise NotImplementedError(
+                f"{func}: max_norm renormalizes the weight's rows in place, which an FP8 weight cannot do"
+            )
+    if not isinstance(weight, Float8WeightTensor) or isinstance(ids, Float8WeightTensor):
+        raise NotImplementedError(f"{func}: the FP8 weight must be the table argument")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"embedding: the indices are {ids.dtype}; they must be int64 or int32")
+    if not torch.compiler.is_compiling() and ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= weight.out_features:
+            raise ValueError(
+                f"embedding: index {low if low < 0 else high} is out of range for the FP8 weight "
+                f"[{weight.out_features}, {weight.in_features}]"
+            )
+    return weight.rows(ids)
 
 
 @Float8WeightTensor.implements(torch.Tensor.t, torch.t, aten.t.default)

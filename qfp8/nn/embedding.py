@@ -1,0 +1,156 @@
+"""``QEmbedding``: an input embedding tied to a quantized output head.
+
+A model with tied word embeddings (SmolLM2, Llama-3.2-1B, Qwen2.5-0.5B)
+reads one ``[vocab, hidden]`` table twice: as the input embedding and as the
+``lm_head`` weight. When ``lm_head`` is quantized, the embedding looks its
+rows up in the head's FP8 weight (``QLinear.qweight`` in the kernel's layout,
+times its scales) instead of keeping a float copy of the table: the table is
+stored once, in FP8, and each token reads one row of it.
+
+The values are the head's dequantized rows, bit for bit: what
+``lm_head.weight.dequantize()[ids]`` gives. The head is held as a plain
+attribute, not a submodule, so ``state_dict`` and ``named_modules`` name it
+once (under its own name). ``state_dict`` gives the embedding's ``weight`` as
+that dequantized table (a checkpoint body any loader reads, with
+``tie_word_embeddings`` false); loading one checks that it is the head's
+(:meth:`QEmbedding.check_loaded`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qfp8.library.routing import dequantized_rows
+from qfp8.nn.qlinear import _STATE_SPEC_ONLY, QLinear
+from qfp8.tensor import Float8WeightTensor
+
+# A loaded ``weight`` counts as the head's table when it is within the
+# rounding of a bf16 (or fp16) checkpoint of it: 2^-8 relative. FP8 steps
+# are 2^-3 (e4m3) apart, so the float table the head was quantized from
+# differs by far more.
+LOADED_TOLERANCE = 2.0**-8
+_CHECK_ROWS = 4096  # rows dequantized at a time when checking a loaded table
+
+
+def is_plain_embedding(module: nn.Module) -> bool:
+    """An ``nn.Embedding`` (or a subclass that keeps its ``forward``) that does not renormalize its rows."""
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).forward is nn.Embedding.forward
+        and module.max_norm is None
+        and not module.sparse
+    )
+
+
+class QEmbedding(nn.Module):
+    """An embedding that reads its rows from ``head``'s FP8 weight (a tied ``lm_head``)."""
+
+    def __init__(self, head: QLinear, head_name: str, padding_idx: int | None = None, name: str = ""):
+        super().__init__()
+        self.num_embeddings = head.out_features
+        self.embedding_dim = head.in_features
+        self.padding_idx = padding_idx
+        self.head_name = head_name
+        self.name = name or "QEmbedding"
+        self.__dict__["head"] = head  # not a submodule: the model names the head once, where it sits
+        self._loaded: torch.Tensor | None = None  # a loaded table not yet checked against the head
+
+    @classmethod
+    def tied_to(cls, embedding: nn.Embedding, head: QLinear, head_name: str, name: str) -> QEmbedding:
+        if not is_plain_embedding(embedding):
+            raise TypeError(f"module {name!r}: {type(embedding).__name__} is not a plain nn.Embedding to tie")
+        if tuple(embedding.weight.shape) != (head.out_features, head.in_features):
+            raise ValueError(
+                f"module {name!r}: embedding {list(embedding.weight.shape)} does not match the weight of "
+                f"{head_name!r} [{head.out_features}, {head.in_features}]"
+            )
+        return cls(head, head_name, embedding.padding_idx, name)
+
+    @property
+    def weight(self) -> Float8WeightTensor:
+        """The head's FP8 weight (``F.embedding(ids, weight)`` looks rows up in it; ``.dtype`` is the table's)."""
+        return self.head.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of {self.head_name}'s FP8 weight"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._loaded is not None:
+            self.check_loaded()
+        if input.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"module {self.name!r}: token ids must be int64 or int32, got {input.dtype}")
+        if not torch.compiler.is_compiling() and input.numel():
+            low, high = int(input.min()), int(input.max())
+            if low < 0 or high >= self.num_embeddings:
+                raise ValueError(
+                    f"module {self.name!r}: token id {low if low < 0 else high} is out of range for "
+                    f"{self.num_embeddings} embeddings"
+                )
+        head = self.head
+        buffers = head._buffers
+        return dequantized_rows(
+            head.packing,
+            buffers["qweight"],
+            buffers["weight_scale"],
+            head.scheme.block_size,
+            input.long(),
+            head.out_features,
+            head.in_features,
+            head.orig_dtype,
+        )
+
+    def table(self) -> torch.Tensor:
+        """The whole dequantized ``[vocab, hidden]`` table, in the head's float dtype."""
+        return self.head.weight.dequantize()
+
+    # --------------------------------------------------------- state dict
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if _STATE_SPEC_ONLY.get():
+            destination[prefix + "weight"] = torch.empty(
+                self.num_embeddings, self.embedding_dim, dtype=self.head.orig_dtype, device="meta"
+            )
+        else:
+            destination[prefix + "weight"] = self.table()
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        key = prefix + "weight"
+        if strict:
+            unexpected_keys += [k for k in state_dict if k.startswith(prefix) and k != key]
+        if key not in state_dict:
+            if strict:
+                missing_keys.append(key)
+            return
+        value = state_dict[key]
+        if tuple(value.shape) != (self.num_embeddings, self.embedding_dim) or not value.is_floating_point():
+            error_msgs.append(
+                f"{key}: the embedding tied to {self.head_name} takes a float [{self.num_embeddings}, "
+                f"{self.embedding_dim}] table, got {value.dtype} {list(value.shape)}"
+            )
+            return
+        # The head may load after this module: the check waits for
+        # check_loaded (qfp8's loaders call it; the next forward does too).
+        self._loaded = value.detach()
+
+    def check_loaded(self) -> None:
+        """Checks a table loaded into this module against the head's FP8 weight; raises ``ValueError`` if
+        it is not that table (up to a bf16 checkpoint's rounding). The table is then dropped."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is None or loaded.device.type == "meta" or self.head.qweight.device.type == "meta":
+            return
+        for start in range(0, self.num_embeddings, _CHECK_ROWS):
+            ids = torch.arange(start, min(start + _CHECK_ROWS, self.num_embeddings), device=self.head.qweight.device)
+            rows = self.forward(ids).float()
+            given = loaded[start : start + len(ids)].to(rows.device, torch.float32)
+            off = (given - rows).abs() > LOADED_TOLERANCE * rows.abs()
+            if off.any():
+                row, col = (int(i) for i in off.nonzero()[0])
+                self._loaded = loaded
+                raise ValueError(
+                    f"module {self.name!r}: the loaded embedding table is not the FP8 weight of {self.head_name!r} "
+                    f"it is tied to (row {start + row}, column {col}: {float(given[row, col]):.6g} against "
+                    f"{float(rows[row, col]):.6g}); a checkpoint of a tied quantized head stores the head's "
+                    "dequantized rows as the embedding"
+                )

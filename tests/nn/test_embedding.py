@@ -1,0 +1,260 @@
+"""A tied lm_head quantized with its embedding: QEmbedding reads the head's FP8 rows (one table, in FP8)."""
+
+import copy
+import io
+import json
+import math
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import qfp8
+from qfp8 import QLinear, formats
+from qfp8.library import cpu, routing
+from qfp8.nn.embedding import QEmbedding
+from qfp8.tensor import Float8WeightTensor
+
+LAYOUTS = ["reference"] + ([f"cpu-{cpu.cpu_kernel_isa()}"] if cpu.KERNEL_VERIFIED else [])
+
+
+def tied_llama(seed=0, dtype=torch.float32) -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        vocab_size=300,  # not a multiple of the CPU layout's 32-row tiles
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config)  # its inv_freq in float32, as loaded
+    return model
+
+
+def tokens(seed=1, length=10):
+    return torch.randint(0, 300, (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+def quantized(model=None, **kwargs):
+    model = tied_llama() if model is None else model
+    qfp8.quantize(model, exclude=(), **kwargs)
+    qfp8.freeze(model)
+    return model
+
+
+# ------------------------------------------------------------------ rows
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("shape", [(1, 1), (33, 7), (70, 577), (64, 64)])
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_rows_from_the_layout_are_the_dequantized_weight_rows_bit_for_bit(layout, fp8, shape, granularity):
+    n, k = shape
+    weight = torch.randn(n, k) * torch.logspace(-3, 3, n).unsqueeze(1)  # rows of very different sizes
+    block = (16, 8) if granularity == "block" else None
+    q, scale = formats.quantize_weight(weight, fp8, granularity, block)
+    packed = routing.kernel_by_name(layout).pack(q)
+    ids = torch.randint(0, n, (3, 5))
+    expected = formats.dequantize_weight(q, scale, block, torch.bfloat16)[ids]
+    rows = routing.dequantized_rows(layout, packed, scale, block or (), ids, n, k, torch.bfloat16)
+    assert rows.shape == (3, 5, k) and torch.equal(rows, expected)
+
+
+def test_rows_against_the_float64_weight():
+    weight = torch.randn(300, 64, dtype=torch.float64)
+    fp8_weight = Float8WeightTensor.from_float(weight.float())
+    ids = torch.randint(0, 300, (50,))
+    rows = fp8_weight.rows(ids, torch.float32).double()
+    reference = weight[ids]
+    sqnr = 10 * math.log10(float(reference.square().sum() / (rows - reference).square().sum()))
+    assert sqnr > 28  # e4m3 with a scale per row: about 31 dB
+
+
+def test_f_embedding_of_an_fp8_weight_and_its_refusals():
+    fp8_weight = Float8WeightTensor.from_float(torch.randn(40, 24))
+    ids = torch.tensor([[3, 39], [0, 5]])
+    assert torch.equal(F.embedding(ids, fp8_weight), fp8_weight.dequantize()[ids])
+    assert torch.equal(F.embedding(ids.int(), fp8_weight), fp8_weight.dequantize()[ids])
+    with pytest.raises(ValueError, match=r"index 40 is out of range for the FP8 weight \[40, 24\]"):
+        F.embedding(torch.tensor([40]), fp8_weight)
+    with pytest.raises(ValueError, match=r"index -1 is out of range"):
+        F.embedding(torch.tensor([-1]), fp8_weight)
+    with pytest.raises(TypeError, match="the indices are torch.float32"):
+        F.embedding(torch.tensor([1.0]), fp8_weight)
+    with pytest.raises(NotImplementedError, match="max_norm renormalizes"):
+        F.embedding(ids, fp8_weight, max_norm=1.0)
+
+
+# ------------------------------------------------------------ quantize
+@pytest.mark.parametrize("scheme", [{}, {"weight_scale": "block", "block_size": (32, 16)}, {"activations": "dynamic"}])
+def test_quantize_ties_the_embedding_to_the_fp8_head(scheme):
+    float_model = tied_llama()
+    model = quantized(copy.deepcopy(float_model), **scheme)
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, QEmbedding) and embedding.head is model.lm_head
+    assert not any(p.shape == (300, 64) for p in model.parameters())  # the float table is gone
+    ids = tokens()
+    with torch.no_grad():
+        rows = embedding(ids)
+        assert torch.equal(rows, model.lm_head.weight.dequantize()[ids])
+        reference = float_model.model.embed_tokens.weight.double()[ids]
+        assert 10 * math.log10(float(reference.square().sum() / (rows.double() - reference).square().sum())) > 25
+        logits, float_logits = model(ids).logits.double(), float_model(ids).logits.double()
+    assert float((logits - float_logits).norm() / float_logits.norm()) < 0.1
+
+
+def test_the_default_exclude_and_an_excluded_embedding_keep_the_tie_in_float():
+    model = tied_llama()
+    qfp8.quantize(model)  # lm_head excluded by default
+    assert type(model.model.embed_tokens) is nn.Embedding and model.config.tie_word_embeddings
+    model = tied_llama()
+    with pytest.warns(UserWarning, match=r"'lm_head' is kept in float.*excluded by pattern 'embed_tokens'"):
+        qfp8.quantize(model, exclude=("embed_tokens",))
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_embedding_errors_name_the_module():
+    model = quantized()
+    embedding = model.get_input_embeddings()
+    with pytest.raises(ValueError, match=r"module 'model.embed_tokens': token id 300 is out of range for 300"):
+        embedding(torch.tensor([[1, 300]]))
+    with pytest.raises(TypeError, match=r"module 'model.embed_tokens': token ids must be int64 or int32"):
+        embedding(torch.tensor([1.0]))
+
+
+def test_dtype_moves_deepcopy_and_pickle_keep_the_tie():
+    model = quantized()
+    ids = tokens()
+    with torch.no_grad():
+        expected = model(ids).logits
+    clone = copy.deepcopy(model)
+    assert clone.get_input_embeddings().head is clone.lm_head
+    pickled = pickle.loads(pickle.dumps(model))
+    assert pickled.get_input_embeddings().head is pickled.lm_head
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(clone(ids).logits, expected) and torch.equal(saved(ids).logits, expected)
+        clone.to(torch.bfloat16)
+        assert clone.get_input_embeddings()(ids).dtype == torch.bfloat16
+        assert clone(ids).logits.dtype == torch.bfloat16
+
+
+def test_compiled_fullgraph_matches_eager():
+    model = quantized()
+    embedding = model.get_input_embeddings()
+    ids = tokens()
+    compiled = torch.compile(embedding, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(ids), embedding(ids))
+
+
+# ---------------------------------------------------------- checkpoints
+def test_checkpoint_stores_the_table_untied_and_from_pretrained_ties_it_again(tmp_path):
+    model = quantized(tied_llama(dtype=torch.bfloat16))
+    ids = tokens()
+    with pytest.warns(UserWarning, match="a quantized lm_head"):  # vLLM's limit, said at save
+        qfp8.save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert config["qfp8_tied_embeddings"] == {"model.embed_tokens": "lm_head"}
+    stored = load_file(tmp_path / "model.safetensors")
+    assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert torch.equal(stored["model.embed_tokens.weight"], model.lm_head.weight.dequantize())
+    assert stored["lm_head.weight"].dtype == torch.float8_e4m3fn
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert isinstance(loaded.get_input_embeddings(), QEmbedding)
+    assert loaded.get_input_embeddings().head is loaded.lm_head
+    assert not any(p.shape == (300, 64) for p in loaded.parameters())
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    # Without the key (another writer's untied copy), the embedding loads as the float table it is.
+    del config["qfp8_tied_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    untied = qfp8.from_pretrained(tmp_path)
+    assert type(untied.get_input_embeddings()) is nn.Embedding
+    with torch.no_grad():
+        assert torch.equal(untied(ids).logits, model(ids).logits)
+
+
+def test_from_pretrained_refuses_a_table_that_is_not_the_heads(tmp_path):
+    model = quantized()
+    qfp8.save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["qfp8_tied_embeddings"] = {"model.embed_tokens": "model.layers.0.mlp.up_proj"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: qfp8_tied_embeddings: .*does not match the weight of 'model"):
+        qfp8.from_pretrained(tmp_path)
+    config["qfp8_tied_embeddings"] = {"model.embed_tokens": "model.norm"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'model.embed_tokens' \(Embedding\) can only be tied to 'model.norm'"):
+        qfp8.from_pretrained(tmp_path)
+    config["qfp8_tied_embeddings"] = {"model.embed_tokens": "lm_head"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    stored = load_file(tmp_path / "model.safetensors")
+    stored["model.embed_tokens.weight"] = stored["model.embed_tokens.weight"] * 1.01
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"config.json: .*the loaded embedding table is not the FP8 weight"):
+        qfp8.from_pretrained(tmp_path)
+    config["qfp8_tied_embeddings"] = ["model.embed_tokens"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: qfp8_tied_embeddings must map embedding names"):
+        qfp8.from_pretrained(tmp_path)
+
+
+def test_state_dict_round_trip_and_a_foreign_table_is_refused():
+    float_model = tied_llama()
+    model = quantized(copy.deepcopy(float_model))
+    state = model.state_dict()
+    assert torch.equal(state["model.embed_tokens.weight"], model.lm_head.weight.dequantize())
+    ids = tokens()
+    target = quantized(tied_llama(seed=5))
+    qfp8.load_state_dict(target, state)
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, model(ids).logits)
+    # The float table the head was quantized from is not the head's: refused, naming the module.
+    state["model.embed_tokens.weight"] = float_model.model.embed_tokens.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"module 'model.embed_tokens': the loaded embedding table is not the FP8"):
+        qfp8.load_state_dict(quantized(tied_llama(seed=5)), state)
+    # torch's own load_state_dict: the next forward checks, and keeps refusing.
+    other = quantized(tied_llama(seed=5))
+    other.load_state_dict(state)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="is not the FP8 weight of 'lm_head'"):
+            other(ids)
+
+
+def test_a_bf16_checkpoint_of_the_table_loads_into_a_float32_model(tmp_path):
+    model = quantized(tied_llama(dtype=torch.bfloat16))
+    qfp8.save_pretrained(model, tmp_path)
+    loaded = qfp8.from_pretrained(tmp_path, dtype=torch.float32)  # the table's bf16 rounding is accepted
+    assert isinstance(loaded.get_input_embeddings(), QEmbedding)
+    ids = tokens()
+    with torch.no_grad():
+        assert loaded(ids).logits.dtype == torch.float32
+        rows = loaded.get_input_embeddings()(ids)
+        assert torch.equal(rows.bfloat16(), model.get_input_embeddings()(ids))
+
+
+def test_reference_layout_ties_too(monkeypatch):
+    monkeypatch.setenv("QFP8_KERNEL", "reference")
+    model = quantized()
+    assert model.lm_head.packing == "reference"
+    ids = tokens()
+    with torch.no_grad():
+        assert torch.equal(model.get_input_embeddings()(ids), model.lm_head.weight.dequantize()[ids])
+
+
+def test_qembedding_is_not_a_second_name_of_the_head():
+    model = quantized()
+    names = [name for name, module in model.named_modules() if isinstance(module, QLinear)]
+    assert names.count("lm_head") == 1 and not any(name.startswith("model.embed_tokens") for name in names)
+    assert "model.embed_tokens.weight" in model.state_dict() and "lm_head.weight" in model.state_dict()
