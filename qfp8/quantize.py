@@ -252,6 +252,7 @@ def tie_embedding(model: nn.Module, head_name: str, embedding_name: str) -> QEmb
     the tie, transformers must not tie the FP8 head to the embedding again."""
     embedding = model.get_submodule(embedding_name)
     tied = QEmbedding.tied_to(embedding, model.get_submodule(head_name), head_name, embedding_name)
+    _carry_hooks(embedding, tied, embedding_name)  # transformers' enable_input_require_grads hooks the embedding
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if module is embedding:
             _set_submodule(model, name, tied)
@@ -261,8 +262,9 @@ def tie_embedding(model: nn.Module, head_name: str, embedding_name: str) -> QEmb
     return tied
 
 
-def _carry_hooks(linear: nn.Linear, qlinear: QLinear, name: str) -> None:
-    """Moves ``linear``'s forward and backward hooks to ``qlinear`` (the same dict objects).
+def _carry_hooks(linear: nn.Module, qlinear: nn.Module, name: str) -> None:
+    """Moves ``linear``'s forward and backward hooks to ``qlinear`` (the same dict objects); also an embedding's
+    to its QEmbedding.
 
     A QLinear holding a Linear's plain hook dict instead of its own watched
     one never takes the fast path (see ``QLinear._arm``): the hooks always run.
@@ -271,7 +273,8 @@ def _carry_hooks(linear: nn.Linear, qlinear: QLinear, name: str) -> None:
         if getattr(linear, main):
             for attr in (main, *companions):
                 qlinear.__dict__[attr] = linear.__dict__[attr]
-    qlinear.__dict__["_fast"] = None
+    if isinstance(qlinear, QLinear):
+        qlinear.__dict__["_fast"] = None
     accelerate_hook = getattr(linear, "_hf_hook", None)
     if accelerate_hook is not None:  # dispatch_model's device hook on a single Linear (a split lm_head, say)
         from accelerate.hooks import add_hook_to_module
@@ -280,8 +283,9 @@ def _carry_hooks(linear: nn.Linear, qlinear: QLinear, name: str) -> None:
     dropped = sum(len(getattr(linear, attr)) for attr in _DROPPED_HOOKS)
     if dropped:
         warnings.warn(
-            f"quantize: module {name!r} had {dropped} state-dict hook(s) registered on its nn.Linear; the QLinear "
-            "replacing it does not keep them (its state dict holds FP8 weight, weight_scale: other keys)",
+            f"quantize: module {name!r} had {dropped} state-dict hook(s) registered on its "
+            f"{type(linear).__name__}; the {type(qlinear).__name__} replacing it does not keep them (its state dict "
+            "holds other tensors)",
             stacklevel=3,
         )
 

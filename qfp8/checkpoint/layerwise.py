@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qfp8 import formats
 from qfp8.checkpoint.readers import CheckpointPlan
 from qfp8.nn import QLinear
 from qfp8.quantize import calibrate, quantize
@@ -162,6 +163,7 @@ def _meta_model(directory: Path, dtype: torch.dtype):
     config = transformers.AutoConfig.from_pretrained(directory)
     with _empty_weights():  # parameters on meta; rotary frequencies computed for real
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # accelerate's empty weights leave a tied lm_head its own meta Parameter
     base = getattr(model, "model", None)
     parts = ("embed_tokens", "layers", "norm", "rotary_emb")
     if base is None or not all(hasattr(base, part) for part in parts) or not hasattr(model, "lm_head"):
@@ -172,11 +174,14 @@ def _meta_model(directory: Path, dtype: torch.dtype):
     return model.eval()
 
 
-def _materialize(module: nn.Module, prefix: str, plan: CheckpointPlan) -> None:
-    """Reads ``module``'s tensors (``prefix`` + name) from the checkpoint into it, as stored."""
+def _materialize(module: nn.Module, prefix: str, plan: CheckpointPlan, aliases: dict[str, str] | None = None) -> None:
+    """Reads ``module``'s tensors (``prefix`` + name) from the checkpoint into it, as stored; a name the
+    checkpoint lacks is read under its alias (``aliases``: a tied table's other name), if it has one."""
     state = {}
     for key, meta in module.state_dict().items():
         name = prefix + key
+        if name not in plan.tensors and aliases and name in aliases:
+            name = aliases[name]
         stored = plan.tensors.get(name)
         if stored is None:
             raise ValueError(f"{plan.directory}: the checkpoint has no tensor {name!r} {list(meta.shape)}")
@@ -302,12 +307,19 @@ def calibrate_layerwise(
     from transformers.cache_utils import DynamicCache
 
     check_architecture(plan.config, plan.directory)
-    embed_name = "model.embed_tokens.weight"
-    if embed_name not in plan.tensors:
+    embed_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
+    # A tied table may be stored under either name (transformers 5 writes lm_head.weight).
+    aliases = {embed_name: head_name, head_name: embed_name}
+    table_name = embed_name if embed_name in plan.tensors else head_name
+    if table_name not in plan.tensors:
         raise ValueError(f"{plan.directory}: the checkpoint has no {embed_name!r}")
-    embed_stored = plan.tensors[embed_name]
-    model = _meta_model(plan.directory, embed_stored.file.info(embed_stored.name).dtype)
+    table_stored = plan.tensors[table_name]
+    model = _meta_model(plan.directory, table_stored.file.info(table_stored.name).dtype)
     config, base = model.config, model.model
+    tied = model.lm_head.weight is base.embed_tokens.weight
+    if not tied and table_name != embed_name:
+        raise ValueError(f"{plan.directory}: the checkpoint has no {embed_name!r}")
+    aliases = aliases if tied else None
     layers = base.layers
     outside = [name for name in quantized if not name.startswith("model.layers.") and name != "lm_head"]
     if outside:
@@ -324,7 +336,17 @@ def calibrate_layerwise(
     step = on_step or (lambda done, total: None)
     scales: dict[str, torch.Tensor] = {}
     with torch.no_grad(), contextlib.ExitStack() as stack:
-        _materialize(base.embed_tokens, "model.embed_tokens.", plan)
+        _materialize(base.embed_tokens, "model.embed_tokens.", plan, aliases)
+        if tied and "lm_head" in quantized:
+            # quantize ties the embedding to the FP8 head: its rows are the head's (round to nearest until
+            # the end of calibration, as the head's own weight).
+            scheme, table = quantized["lm_head"], base.embed_tokens.weight
+            codes, scale = formats.quantize_weight(
+                table, scheme.weight_dtype, scheme.weight_scale, scheme.block_size or None
+            )
+            rows = formats.dequantize_weight(codes, scale, scheme.block_size or None, table.dtype)
+            base.embed_tokens.weight = nn.Parameter(rows, requires_grad=False)
+            del codes, rows, table
         hidden = [base.embed_tokens(batch) for batch in batches]
         base.embed_tokens.to(torch.device("meta"))  # frees the embedding
         _return_freed_memory()
@@ -364,7 +386,7 @@ def calibrate_layerwise(
             _materialize(base.norm, "model.norm.", plan)
             holder = nn.Module()  # quantize() replaces children: lm_head needs a parent
             holder.lm_head = model.lm_head
-            _materialize(holder, "", plan)
+            _materialize(holder, "", plan, aliases)
             quantize(holder, **{**quantize_args, "kv_cache": None}, exclude=())
             with calibrate(holder):
                 for state in hidden:

@@ -70,6 +70,7 @@ from qfp8.checkpoint.writer import (
     parse_size,
     write_checkpoint,
 )
+from qfp8.nn.embedding import is_plain_embedding
 from qfp8.nn.experts import find_fused_experts, scheme_reason
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.quantize import (
@@ -109,17 +110,34 @@ def quantize_rows(weight: torch.Tensor, scale: torch.Tensor, scheme: Quantizatio
     out = torch.empty(weight.shape, dtype=scheme.weight_dtype)
     step = _row_step(scheme)
     for r in range(0, weight.shape[0], step):
-        if scheme.weight_scale == "tensor":
-            part = scale
-        elif scheme.weight_scale == "channel":
-            part = scale[r : r + step]
-        else:
-            bn = scheme.block_size[0]
-            part = scale[r // bn : (r + step + bn - 1) // bn]
         out[r : r + step] = formats.quantize_weight(
-            weight[r : r + step], scheme.weight_dtype, scheme.weight_scale, scheme.block_size or None, scale=part
+            weight[r : r + step],
+            scheme.weight_dtype,
+            scheme.weight_scale,
+            scheme.block_size or None,
+            scale=_rows_scale(scale, scheme, r, step),
         )[0]
     return out
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, scheme: QuantizationScheme, dtype) -> torch.Tensor:
+    """``formats.dequantize_weight(codes, scale, ...)`` in ``dtype``, in row chunks (same bits)."""
+    out = torch.empty(codes.shape, dtype=dtype)
+    step = _row_step(scheme)
+    for r in range(0, codes.shape[0], step):
+        part = _rows_scale(scale, scheme, r, step)
+        out[r : r + step] = formats.dequantize_weight(codes[r : r + step], part, scheme.block_size or None, dtype)
+    return out
+
+
+def _rows_scale(scale: torch.Tensor, scheme: QuantizationScheme, r: int, step: int) -> torch.Tensor:
+    """The part of a weight's ``scale`` that its rows ``[r, r + step)`` use."""
+    if scheme.weight_scale == "tensor":
+        return scale
+    if scheme.weight_scale == "channel":
+        return scale[r : r + step]
+    bn = scheme.block_size[0]
+    return scale[r // bn : (r + step + bn - 1) // bn]
 
 
 class ModelLinears(NamedTuple):
@@ -131,6 +149,8 @@ class ModelLinears(NamedTuple):
     expert_parts: dict[str, tuple[str, list[str]]]
     model_name: str  # the class built, e.g. "GPT2LMHeadModel"
     other_kinds: list[str]  # classes of other modules holding float matrix weights (GPT-2's Conv1D), kept in float
+    # (head, embedding) checkpoint names of an output head tied to a plain input embedding (one stored table)
+    tied: tuple[str, str] | None = None
 
 
 def _linear_names(config_dir: Path) -> ModelLinears:
@@ -152,7 +172,24 @@ def _linear_names(config_dir: Path) -> ModelLinears:
         for expert in names.expert_modules(item.name, item.module._parameters[item.attr].shape[0]) or ():
             parts.update((part, (item.name, expert)) for part in expert)
     others = other_weight_kinds(model, {id(item.module._parameters[item.attr]) for item in fused})
-    return ModelLinears(linears, parts, type(model).__name__, others)
+    return ModelLinears(linears, parts, type(model).__name__, others, _tied_head(model, names))
+
+
+def _tied_head(model: torch.nn.Module, names: CheckpointNames) -> tuple[str, str] | None:
+    """(head, embedding) checkpoint names when the model's output head shares its weight with a plain
+    ``nn.Embedding`` (what ``qfp8.quantize`` ties as a QEmbedding), else None."""
+    try:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if (
+        not isinstance(head, torch.nn.Linear)
+        or not is_plain_embedding(embedding)
+        or head.weight is not embedding.weight
+    ):
+        return None
+    found = {id(m): name for name, m in model.named_modules()}
+    return tuple(names.to_checkpoint(found[id(m)] + ".weight").removesuffix(".weight") for m in (head, embedding))
 
 
 def _nothing_quantized(model: ModelLinears, reasons: dict[str, str], user_patterns: bool) -> str:
@@ -288,17 +325,29 @@ def stream_quantize(
     reasons: dict[str, str] = {}  # why each one ignored is
     layers: dict[str, qconfig.Layer] = {}
     by = "--exclude" if user_patterns else "the default --exclude"
+    # A head tied to its embedding: one table, stored under either name. Quantized, the head is written
+    # from it and the embedding as its dequantized rows (see qfp8.nn.embedding), as qfp8.save_pretrained does.
+    weight_keys = {name: name + ".weight" for name in linears}
+    tied_head = tied_embedding = None
+    if found.tied is not None:
+        head, embedding = found.tied
+        weight_keys[head] = next((k for k in (head + ".weight", embedding + ".weight") if k in plan.tensors), "")
+        if pattern := excluded_by(embedding, exclude):
+            reasons[head] = f"tied to {embedding}, excluded by {by} {pattern}"
+        else:
+            tied_head, tied_embedding = head, embedding
     for name in linears:
-        stored = plan.tensors.get(name + ".weight")
+        stored = plan.tensors.get(weight_keys[name])
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
         pattern = excluded_by(name, exclude)
         gate = float_linear_reason(name)  # a MoE gate: float, as quantize keeps it
-        if stored is None or pattern or gate or len(shape) != 2:
+        if stored is None or pattern or gate or len(shape) != 2 or name in reasons:
             ignored.append(name)  # excluded, or tied to another tensor and not stored
             layers[name] = (None, shape)
             reasons[name] = (
                 f"excluded by {by} {pattern}" if pattern
                 else gate if gate
+                else reasons[name] if name in reasons
                 else "not stored in the checkpoint (tied to another tensor)" if stored is None
                 else f"stored as a {len(shape)}-D tensor"
             )  # fmt: skip
@@ -361,6 +410,9 @@ def stream_quantize(
     out: list[PlannedTensor] = []
     scales: dict[str, torch.Tensor] = {}
 
+    def weight_key(module: str) -> str:  # where the float weight of a quantized module is stored
+        return weight_keys.get(module, module + ".weight")
+
     def scalar(name: str) -> PlannedTensor:
         return PlannedTensor(name, torch.float32, (1,), lambda: calibrated[name])
 
@@ -374,7 +426,7 @@ def stream_quantize(
                 shared = torch.stack([weight_scale(plan.load(m + ".weight", mmap=False), scheme) for m in siblings])
                 scales.update(dict.fromkeys(siblings, shared.amax(0)))
             else:
-                scales[module] = weight_scale(plan.load(module + ".weight", mmap=False), scheme)
+                scales[module] = weight_scale(plan.load(weight_key(module), mmap=False), scheme)
         return scales[module]
 
     def take_scale(module: str) -> torch.Tensor:
@@ -384,22 +436,30 @@ def stream_quantize(
         del scales[module]
         return scale
 
+    def fp8_weight(module: str) -> torch.Tensor:
+        key = module + ".weight"
+        if key in calibrated:  # accuracy mode: the weight and its scale as calibration chose them
+            return calibrated[key]
+        return quantize_rows(plan.load(weight_key(module), mmap=False), take_scale(module), scheme)
+
     for key, stored in plan.tensors.items():
         info = stored.file.info(stored.name)
         module = key[: -len(".weight")] if key.endswith(".weight") else None
+        if tied_head in quantized and key == weight_keys[tied_head]:
+            embedding_key = tied_embedding + ".weight"
+            # The table the embedding reads: the head's FP8 weight, dequantized in the stored dtype.
+            out.append(
+                PlannedTensor(
+                    embedding_key,
+                    info.dtype,
+                    info.shape,
+                    lambda d=info.dtype: dequantize_rows(fp8_weight(tied_head), scale_of(tied_head), scheme, d),
+                )
+            )
+            module = tied_head
         if module in quantized:
             n, k = info.shape
-            if key in calibrated:  # accuracy mode: the weight and its scale as calibration chose them
-                out.append(PlannedTensor(key, scheme.weight_dtype, (n, k), lambda key=key: calibrated[key]))
-            else:
-                out.append(
-                    PlannedTensor(
-                        key,
-                        scheme.weight_dtype,
-                        (n, k),
-                        lambda m=module, key=key: quantize_rows(plan.load(key, mmap=False), take_scale(m), scheme),
-                    )
-                )
+            out.append(PlannedTensor(module + ".weight", scheme.weight_dtype, (n, k), lambda m=module: fp8_weight(m)))
             shape = formats.weight_scale_shape((n, k), scheme.weight_scale, scheme.block_size)
             out.append(PlannedTensor(module + ".weight_scale", torch.float32, shape, lambda m=module: scale_of(m)))
             if module + ".input_scale" in calibrated:
@@ -415,6 +475,9 @@ def stream_quantize(
 
     config = dict(checkpoint.config)
     config["quantization_config"] = qconfig.build_quantization_config(quantized, ignored, kv_dtype)
+    if tied_head in quantized:
+        config["tie_word_embeddings"] = False
+        config[qconfig.TIED_EMBEDDINGS_KEY] = {tied_embedding: tied_head}
     bar = _progress(sum(t.nbytes for t in out), progress)
     try:
         with tempfile.TemporaryDirectory() as scratch:

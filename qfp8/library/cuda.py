@@ -445,6 +445,21 @@ def _marlin_reason(request: KernelRequest) -> str | None:
     return None
 
 
+def _scaled_mm_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Rows ``ids`` of the canonical weight from ``pack_weight_scaled_mm``'s padded ``[N, K]``."""
+    return packed.index_select(0, ids)[:, :in_features]
+
+
+def _marlin_rows(packed: torch.Tensor, ids: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Rows ``ids`` of the canonical weight from ``pack_weight_cuda``'s tiles (the map in its docstring):
+    row ``n = 32 nt + 8 j + g`` of every k tile, whose ``k = 32 kt + 8 t + 4 s + e`` lie in t, s, e order."""
+    nt, kt, _ = packed_shape(out_features, in_features)
+    tiles = packed.view(torch.uint8).reshape(nt, kt, 8, 4, 2, 4, 4)  # [nt, kt, g, t, s, j, e]
+    within = ids % TILE_N
+    rows = tiles[ids // TILE_N, :, within % 8, :, :, within // 8, :]  # [len(ids), kt, t, s, e]
+    return rows.reshape(ids.numel(), kt * TILE_K)[:, :in_features].view(packed.dtype)
+
+
 def _scaled_mm_args(request: KernelRequest) -> tuple:
     return (request.out_features, request.in_features, request.activation, request.activation_dtype)
 
@@ -456,6 +471,7 @@ SCALED_MM_KERNEL = LinearKernel(
     unpack=torch.ops.qfp8.unpack_weight_scaled_mm,
     extra_args=_scaled_mm_args,
     supports=lambda request: _scaled_mm_reason(request, padded=False),
+    rows=_scaled_mm_rows,
 )
 SCALED_MM_PADDED_KERNEL = LinearKernel(
     name="cuda-scaled-mm-padded16",
@@ -464,6 +480,7 @@ SCALED_MM_PADDED_KERNEL = LinearKernel(
     unpack=torch.ops.qfp8.unpack_weight_scaled_mm,
     extra_args=_scaled_mm_args,
     supports=lambda request: _scaled_mm_reason(request, padded=True),
+    rows=_scaled_mm_rows,
 )
 MARLIN_KERNEL = LinearKernel(
     name="cuda-fp8-marlin",
@@ -472,6 +489,7 @@ MARLIN_KERNEL = LinearKernel(
     unpack=torch.ops.qfp8.unpack_weight_cuda,
     extra_args=lambda r: (r.out_features, r.in_features, list(r.block_size), r.activation, r.activation_dtype),
     supports=_marlin_reason,
+    rows=_marlin_rows,
 )
 
 register_kernel("cuda", SCALED_MM_KERNEL, priority=30)

@@ -208,3 +208,50 @@ def test_sigterm_while_writing_removes_the_temporary_files(tiny, tmp_path, monke
     assert stopped.value.code == 128 + signal.SIGTERM
     assert any(name.endswith(".tmp") for name in seen[0])  # it was writing a shard
     assert sorted(p.name for p in dst.iterdir()) == ["mine.txt"]
+
+
+@pytest.mark.parametrize("case", ["channel", "block"])
+def test_stream_quantizes_a_tied_head_as_quantize_does(tiny, tmp_path, case):
+    """A tied table (stored once, under lm_head.weight by transformers 5) with nothing excluded: the FP8 head and
+    the embedding as its dequantized rows, as qfp8.quantize + save_pretrained write them, bit for bit."""
+    source = tmp_path / "float"
+    tiny.model(torch.bfloat16, tie_word_embeddings=True).save_pretrained(source)
+    stored = tiny.tensors(source)
+    assert ("lm_head.weight" in stored) != ("model.embed_tokens.weight" in stored)  # one copy of the table
+    assert main(["quantize", str(source), str(tmp_path / "stream"), "--no-progress", *CASES[case], "--exclude"]) == 0
+    model = tiny.model(torch.bfloat16, tie_word_embeddings=True)
+    qfp8.quantize(model, exclude=(), **KWARGS[case])
+    qfp8.save_pretrained(model, tmp_path / "memory")
+    streamed, in_memory = tiny.tensors(tmp_path / "stream"), tiny.tensors(tmp_path / "memory")
+    assert streamed.keys() == in_memory.keys() and "lm_head.weight_scale" in streamed
+    for key, value in in_memory.items():
+        assert streamed[key].dtype == value.dtype, key
+        assert torch.equal(streamed[key].view(torch.uint8), value.view(torch.uint8)), key
+    streamed_config = json.loads((tmp_path / "stream" / "config.json").read_text())
+    memory_config = json.loads((tmp_path / "memory" / "config.json").read_text())
+    assert streamed_config["quantization_config"] == memory_config["quantization_config"]
+    for config in (streamed_config, memory_config):
+        assert config["tie_word_embeddings"] is False
+        assert config["qfp8_tied_embeddings"] == {"model.embed_tokens": "lm_head"}
+    loaded = qfp8.from_pretrained(tmp_path / "stream")
+    assert loaded.get_input_embeddings().head is loaded.lm_head
+    x = tiny.tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+def test_stream_keeps_a_tied_head_float_by_default_and_when_its_embedding_is_excluded(tiny, tmp_path):
+    source = tmp_path / "float"
+    tiny.model(torch.bfloat16, tie_word_embeddings=True).save_pretrained(source)
+    assert main(["quantize", str(source), str(tmp_path / "default"), "--no-progress"]) == 0
+    with pytest.warns(UserWarning, match="matches no nn.Linear"):  # embed_tokens is not a Linear
+        code = main(
+            ["quantize", str(source), str(tmp_path / "excluded"), "--no-progress", "--exclude", "*embed_tokens"]
+        )
+    assert code == 0
+    for folder in ("default", "excluded"):
+        config = json.loads((tmp_path / folder / "config.json").read_text())
+        assert config["tie_word_embeddings"] is True and "qfp8_tied_embeddings" not in config
+        assert "lm_head" in config["quantization_config"]["ignore"]
+        tensors = tiny.tensors(tmp_path / folder)
+        assert not any(k.endswith("weight_scale") and ("lm_head" in k or "embed" in k) for k in tensors)

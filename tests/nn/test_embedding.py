@@ -19,7 +19,11 @@ from qfp8.library import cpu, routing
 from qfp8.nn.embedding import QEmbedding
 from qfp8.tensor import Float8WeightTensor
 
-LAYOUTS = ["reference"] + ([f"cpu-{cpu.cpu_kernel_isa()}"] if cpu.KERNEL_VERIFIED else [])
+# Every layout's rows are read in torch from its packed bytes, so the CUDA layouts are checked here too
+# (packed on the CPU).
+LAYOUTS = ["reference", "cuda-fp8-marlin", "cuda-scaled-mm"] + (
+    [f"cpu-{cpu.cpu_kernel_isa()}"] if cpu.KERNEL_VERIFIED else []
+)
 
 
 def tied_llama(seed=0, dtype=torch.float32) -> transformers.LlamaForCausalLM:
@@ -64,6 +68,7 @@ def test_rows_from_the_layout_are_the_dequantized_weight_rows_bit_for_bit(layout
     expected = formats.dequantize_weight(q, scale, block, torch.bfloat16)[ids]
     rows = routing.dequantized_rows(layout, packed, scale, block or (), ids, n, k, torch.bfloat16)
     assert rows.shape == (3, 5, k) and torch.equal(rows, expected)
+    assert routing.kernel_by_name(layout).rows is not None  # read from the layout, not unpacked whole
 
 
 def test_rows_against_the_float64_weight():
@@ -258,3 +263,13 @@ def test_qembedding_is_not_a_second_name_of_the_head():
     names = [name for name, module in model.named_modules() if isinstance(module, QLinear)]
     assert names.count("lm_head") == 1 and not any(name.startswith("model.embed_tokens") for name in names)
     assert "model.embed_tokens.weight" in model.state_dict() and "lm_head.weight" in model.state_dict()
+
+
+def test_a_forward_hook_on_the_embedding_moves_to_the_qembedding():
+    model = tied_llama()
+    seen = []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append((module, tuple(out.shape))))
+    quantized(model)
+    with torch.no_grad():
+        model(tokens())
+    assert seen == [(model.get_input_embeddings(), (2, 10, 64))]
