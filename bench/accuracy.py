@@ -75,6 +75,8 @@ def rows(accuracy: str) -> list[Row]:
         Row("w8a16-channel", "W8A16 e4m3, per-channel scale", _w("channel")),
         Row("w8a16-block", "W8A16 e4m3, 128x128 block scales", _w("block")),
         Row("w8a16-e5m2-channel", "W8A16 e5m2, per-channel scale", _w("channel", "float8_e5m2")),
+        # exclude=(): lm_head too; a tied one takes its embedding along (one FP8 table, qfp8/nn/embedding.py).
+        Row("w8a16-channel-head", "W8A16 e4m3, per-channel scale, lm_head too", _w("channel", exclude=())),
         Row("w8a8-token", "W8A8 e4m3, channel / dynamic token", _a("channel", "token")),
         Row("w8a8-token-mse", "W8A8 e4m3, channel / dynamic token, searched scales", _a("channel", "token-mse")),
         Row("w8a8-group", "W8A8 e4m3, block / dynamic 1x128 group", _a("block", "group")),
