@@ -24,6 +24,7 @@ from torch import nn
 from qfp8.library.routing import dequantized_rows
 from qfp8.nn.qlinear import _STATE_SPEC_ONLY, QLinear
 from qfp8.tensor import Float8WeightTensor
+from qfp8.tensor.weights import check_row_ids
 
 # A loaded ``weight`` counts as the head's table when it is within the
 # rounding of a bf16 (or fp16) checkpoint of it: 2^-8 relative. FP8 steps
@@ -78,15 +79,7 @@ class QEmbedding(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self._loaded is not None:
             self.check_loaded()
-        if input.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"module {self.name!r}: token ids must be int64 or int32, got {input.dtype}")
-        if not torch.compiler.is_compiling() and input.numel():
-            low, high = int(input.min()), int(input.max())
-            if low < 0 or high >= self.num_embeddings:
-                raise ValueError(
-                    f"module {self.name!r}: token id {low if low < 0 else high} is out of range for "
-                    f"{self.num_embeddings} embeddings"
-                )
+        check_row_ids(input, self.num_embeddings, f"module {self.name!r}")
         head = self.head
         buffers = head._buffers
         return dequantized_rows(

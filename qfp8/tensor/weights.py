@@ -200,16 +200,21 @@ def _(func, types, args, kwargs):
             )
     if not isinstance(weight, Float8WeightTensor) or isinstance(ids, Float8WeightTensor):
         raise NotImplementedError(f"{func}: the FP8 weight must be the table argument")
+    check_row_ids(
+        ids, weight.out_features, f"embedding of the FP8 weight [{weight.out_features}, {weight.in_features}]"
+    )
+    return weight.rows(ids)
+
+
+def check_row_ids(ids: torch.Tensor, rows: int, where: str) -> None:
+    """Refuses embedding indices that are not integers (``TypeError``) or not in ``[0, rows)`` (``ValueError``,
+    in eager mode: a compiled graph does not stop to look); ``where`` names the table."""
     if ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"embedding: the indices are {ids.dtype}; they must be int64 or int32")
+        raise TypeError(f"{where}: the indices are {ids.dtype}; they must be int64 or int32")
     if not torch.compiler.is_compiling() and ids.numel():
         low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= weight.out_features:
-            raise ValueError(
-                f"embedding: index {low if low < 0 else high} is out of range for the FP8 weight "
-                f"[{weight.out_features}, {weight.in_features}]"
-            )
-    return weight.rows(ids)
+        if low < 0 or high >= rows:
+            raise ValueError(f"{where}: index {low if low < 0 else high} is out of range for {rows} rows")
 
 
 @Float8WeightTensor.implements(torch.Tensor.t, torch.t, aten.t.default)

@@ -86,11 +86,13 @@ def test_f_embedding_of_an_fp8_weight_and_its_refusals():
     ids = torch.tensor([[3, 39], [0, 5]])
     assert torch.equal(F.embedding(ids, fp8_weight), fp8_weight.dequantize()[ids])
     assert torch.equal(F.embedding(ids.int(), fp8_weight), fp8_weight.dequantize()[ids])
-    with pytest.raises(ValueError, match=r"index 40 is out of range for the FP8 weight \[40, 24\]"):
+    with pytest.raises(
+        ValueError, match=r"embedding of the FP8 weight \[40, 24\]: index 40 is out of range for 40 rows"
+    ):
         F.embedding(torch.tensor([40]), fp8_weight)
     with pytest.raises(ValueError, match=r"index -1 is out of range"):
         F.embedding(torch.tensor([-1]), fp8_weight)
-    with pytest.raises(TypeError, match="the indices are torch.float32"):
+    with pytest.raises(TypeError, match="the indices are torch.float32; they must be int64 or int32"):
         F.embedding(torch.tensor([1.0]), fp8_weight)
     with pytest.raises(NotImplementedError, match="max_norm renormalizes"):
         F.embedding(ids, fp8_weight, max_norm=1.0)
@@ -127,9 +129,9 @@ def test_the_default_exclude_and_an_excluded_embedding_keep_the_tie_in_float():
 def test_embedding_errors_name_the_module():
     model = quantized()
     embedding = model.get_input_embeddings()
-    with pytest.raises(ValueError, match=r"module 'model.embed_tokens': token id 300 is out of range for 300"):
+    with pytest.raises(ValueError, match=r"module 'model.embed_tokens': index 300 is out of range for 300 rows"):
         embedding(torch.tensor([[1, 300]]))
-    with pytest.raises(TypeError, match=r"module 'model.embed_tokens': token ids must be int64 or int32"):
+    with pytest.raises(TypeError, match=r"module 'model.embed_tokens': the indices are torch.float32"):
         embedding(torch.tensor([1.0]))
 
 
