@@ -73,6 +73,7 @@ def describe(path) -> dict:
         "float_weight_dtypes": float_dtypes,
         "kv_cache": {"dtype": str(plan.kv_cache_dtype).replace("torch.", "") if plan.kv_cache_dtype else None, **kv},
         "architecture": (checkpoint.config.get("architectures") or [None])[0],
+        "tied_embeddings": checkpoint.config.get(qconfig.TIED_EMBEDDINGS_KEY) or {},
         "vllm": vllm_notes(plan),
     }
 
@@ -96,6 +97,11 @@ def format_description(info: dict) -> str:
         lines.append(f"  kv cache: {kv['dtype']}" + (f"  ({'; '.join(parts)})" if parts else ""))
     else:
         lines.append("  kv cache: not quantized")
+    for embedding, head in info.get("tied_embeddings", {}).items():
+        lines.append(
+            f"  tied: {embedding} holds {head}'s FP8 weight dequantized; qfp8.from_pretrained reads its rows from "
+            f"{head} (one FP8 table)"
+        )
     for note in info.get("vllm", []):
         lines.append(f"  vLLM: {note}")
     return "\n".join(lines)

@@ -211,7 +211,7 @@ def test_sigterm_while_writing_removes_the_temporary_files(tiny, tmp_path, monke
 
 
 @pytest.mark.parametrize("case", ["channel", "block"])
-def test_stream_quantizes_a_tied_head_as_quantize_does(tiny, tmp_path, case):
+def test_stream_quantizes_a_tied_head_as_quantize_does(tiny, tmp_path, case, capsys):
     """A tied table (stored once, under lm_head.weight by transformers 5) with nothing excluded: the FP8 head and
     the embedding as its dequantized rows, as qfp8.quantize + save_pretrained write them, bit for bit."""
     source = tmp_path / "float"
@@ -235,6 +235,8 @@ def test_stream_quantizes_a_tied_head_as_quantize_does(tiny, tmp_path, case):
         assert config["qfp8_tied_embeddings"] == {"model.embed_tokens": "lm_head"}
     loaded = qfp8.from_pretrained(tmp_path / "stream")
     assert loaded.get_input_embeddings().head is loaded.lm_head
+    assert main(["inspect", str(tmp_path / "stream")]) == 0
+    assert "tied: model.embed_tokens holds lm_head's FP8 weight dequantized" in capsys.readouterr().out
     x = tiny.tokens()
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, model(x).logits)
