@@ -412,14 +412,15 @@ def assign_state(
         prefix = name + "."
         own = {key[len(prefix) :]: state.pop(key) for key in list(state) if key.startswith(prefix)}
         if isinstance(module, QExperts):
-            _assign_experts(module, name, own, expert_weights.pop(name + ".weight", None))
+            _assign_experts(module, name, own, expert_weights.pop(name + ".weight", None), plan is not None)
             continue
         try:
             module.load_state_dict(own, strict=False, assign=True)
         except RuntimeError as error:  # torch's "Error(s) in loading state_dict": the values are unusable
             problems = "; ".join(str(error).split("\n\t")[1:]) or str(error)
             raise ValueError(f"{_where(plan, prefix + 'weight')}module {name!r}: {problems}") from None
-        _release_if_copied(module, own["weight"])
+        if plan is not None:  # a file's mapped pages; a caller's own tensors are left alone
+            _release_if_copied(module, own["weight"])
     result = model.load_state_dict(state, strict=False, assign=True)
     _tie(model)
     still_meta = [
@@ -475,11 +476,15 @@ def _tie_loaded_embeddings(model: nn.Module, tied, directory: Path) -> None:
 
 
 def _release_if_copied(module: QLinear, stored: torch.Tensor) -> None:
+    """Drops the pages of ``stored`` (a tensor mapped from a checkpoint file, never one a caller holds:
+    ``MADV_DONTNEED`` zeroes anonymous memory) once the kernel has packed its own copy."""
     if module.qweight.untyped_storage().data_ptr() != stored.untyped_storage().data_ptr():
         release_pages(stored)
 
 
-def _assign_experts(module: QExperts, name: str, own: dict, weights: ExpertWeights | None) -> None:
+def _assign_experts(
+    module: QExperts, name: str, own: dict, weights: ExpertWeights | None, mapped: bool = False
+) -> None:
     """Loads a QExperts from its state entries, its FP8 weights expert by expert when ``weights`` holds them."""
     if weights is None:  # stacked in the state dict (a checkpoint written by an older qfp8)
         module.load_state_dict(own, strict=False, assign=True)
@@ -492,7 +497,7 @@ def _assign_experts(module: QExperts, name: str, own: dict, weights: ExpertWeigh
         expert._load_from_state_dict(state, "", {}, True, [], [], errors)
         if errors:
             raise ValueError(f"{name}[{e}]: " + "; ".join(errors))
-        for stored in weights.stored(e):
+        for stored in weights.stored(e) if mapped else ():
             _release_if_copied(expert, stored)
         kept = expert.qweight.untyped_storage().data_ptr() == state["weight"].untyped_storage().data_ptr()
         buffer = None if kept or weights.parts == 1 else state["weight"]

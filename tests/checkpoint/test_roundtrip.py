@@ -235,6 +235,23 @@ def test_load_state_dict_into_quantized_model(tiny, x):
         assert torch.equal(model(x).logits, target(x).logits)
 
 
+def test_load_state_dict_leaves_the_callers_tensors_as_they_were(tiny, x):
+    """The loader drops the pages of weights mapped from a file once packed; a caller's own tensors are not
+    that (MADV_DONTNEED had zeroed whole pages of them), so a state dict loads twice, unchanged."""
+    model = tiny.model()
+    qfp8.quantize(model)
+    state = model.state_dict()
+    before = {key: value.clone() for key, value in state.items()}
+    target = tiny.model(seed=7)
+    qfp8.quantize(target)
+    for _ in range(2):
+        qfp8.load_state_dict(target, state)
+        for key, value in before.items():
+            assert torch.equal(state[key].view(torch.uint8), value.view(torch.uint8)), key
+        with torch.no_grad():
+            assert torch.equal(model(x).logits, target(x).logits)
+
+
 def test_transformers_loads_qfp8_checkpoints(tiny, tmp_path, x):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("compressed_tensors", reason="transformers reads compressed-tensors through it")
