@@ -16,7 +16,7 @@ from torch.nn.utils.weight_norm import WeightNorm  # the hook class (torch.nn.ut
 
 from qfp8 import formats, rounding
 from qfp8.nn import QLinear, QuantizationScheme
-from qfp8.nn.embedding import QEmbedding, is_plain_embedding
+from qfp8.nn.embedding import QEmbedding, untieable_reason
 from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_fp8_experts
 from qfp8.nn.qlinear import TRANSFORMERS_SAVE_REFUSED
 
@@ -239,8 +239,8 @@ def _untieable(modules: dict[str, nn.Module], others: list[str], exclude) -> str
     embedding = modules[others[0]]
     if len(holders) > 1 or not isinstance(embedding, nn.Embedding):
         return "tied weights, e.g. tie_word_embeddings"
-    if not is_plain_embedding(embedding):
-        return f"a {type(embedding).__name__} with its own forward, max_norm or sparse gradients"
+    if why := untieable_reason(embedding):
+        return why
     if pattern := excluded_by(others[0], exclude):
         return f"excluded by pattern {pattern!r}"
     return None
@@ -256,10 +256,17 @@ def tie_embedding(model: nn.Module, head_name: str, embedding_name: str) -> QEmb
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if module is embedding:
             _set_submodule(model, name, tied)
-    config = getattr(model, "config", None)
-    if getattr(config, "tie_word_embeddings", False):
-        config.tie_word_embeddings = False
+    untie_config(getattr(model, "config", None))
     return tied
+
+
+def untie_config(config) -> None:
+    """Sets ``tie_word_embeddings`` false in a transformers config and in its text config (a VLM's, which
+    its language model reads): qfp8 holds the tie, transformers must not tie the FP8 head again."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    for part in {id(c): c for c in (config, text) if c is not None}.values():
+        if getattr(part, "tie_word_embeddings", False):
+            part.tie_word_embeddings = False
 
 
 def _carry_hooks(linear: nn.Module, qlinear: nn.Module, name: str) -> None:
@@ -508,16 +515,21 @@ def quantize(
         others = tied.get(id(modules[entry.name]))
         if not others:
             continue
+        linear_names += others  # an exclude pattern naming the embedding acts on the Linear
         why = _untieable(modules, others, exclude)
         if why is None:
             ties[entry.name] = others[0]
             continue
         entry.quantized = False
         entry.reason = f"weight tied to {', '.join(others)} (kept in float)"
+        remedy = (
+            "to quantize both, leave it out of exclude"
+            if why.startswith("excluded by")
+            else "to quantize it, give it its own copy of the weight first"
+        )
         notes.append(
             f"quantize: {entry.name!r} is kept in float: its weight is the same Parameter as that of "
-            f"{', '.join(map(repr, others))}, which stays in float ({why}); "
-            "to quantize it, give it its own copy of the weight first"
+            f"{', '.join(map(repr, others))}, which stays in float ({why}); {remedy}"
         )
     sharing: dict[int, list[str]] = {}  # quantized Linears that are different modules holding one weight
     for entry in linears:

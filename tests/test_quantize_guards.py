@@ -102,7 +102,7 @@ def test_lm_head_tied_to_an_embedding_with_its_own_forward_stays_float_with_one_
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1, messages
     assert "'lm_head' is kept in float" in messages[0] and "'model.embed_tokens'" in messages[0]
-    assert "a ScaledEmbedding with its own forward" in messages[0]
+    assert "a ScaledEmbedding, not a plain nn.Embedding" in messages[0]
     entry = {e.name: e for e in report.entries}["lm_head"]
     assert not entry.quantized and entry.reason == "weight tied to model.embed_tokens (kept in float)"
     assert "7 quantized, 1 skipped" in str(report)

@@ -321,6 +321,29 @@ def _tie(model: nn.Module) -> None:
         ) from None
 
 
+def _fill_tied_table(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """A float table tied between the input embedding and a float ``lm_head`` and stored under one of the two
+    names (transformers 5 writes ``lm_head.weight``) fills both: ``tie_weights`` then ties two loaded tensors,
+    instead of the loaded head to the embedding left on meta."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    if not any(getattr(c, "tie_word_embeddings", False) for c in (config, text)):
+        return
+    try:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return
+    if type(head) is not nn.Linear or embedding is None:
+        return
+    where = {id(module): name for name, module in model.named_modules()}
+    if id(head) not in where or id(embedding) not in where:
+        return
+    keys = [where[id(head)] + ".weight", where[id(embedding)] + ".weight"]
+    present = [key for key in keys if key in state]
+    if len(present) == 1:
+        state[keys[1 - keys.index(present[0])]] = state[present[0]]
+
+
 def _where(plan: CheckpointPlan | None, key: str) -> str:
     if plan is not None and key in plan.tensors:
         return f"{plan.tensors[key].file.path}: "
@@ -421,6 +444,7 @@ def assign_state(
             raise ValueError(f"{_where(plan, prefix + 'weight')}module {name!r}: {problems}") from None
         if plan is not None:  # a file's mapped pages; a caller's own tensors are left alone
             _release_if_copied(module, own["weight"])
+    _fill_tied_table(model, state)
     result = model.load_state_dict(state, strict=False, assign=True)
     _tie(model)
     still_meta = [

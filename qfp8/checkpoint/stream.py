@@ -70,7 +70,7 @@ from qfp8.checkpoint.writer import (
     parse_size,
     write_checkpoint,
 )
-from qfp8.nn.embedding import is_plain_embedding
+from qfp8.nn.embedding import untieable_reason
 from qfp8.nn.experts import find_fused_experts, scheme_reason
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.quantize import (
@@ -175,21 +175,30 @@ def _linear_names(config_dir: Path) -> ModelLinears:
     return ModelLinears(linears, parts, type(model).__name__, others, _tied_head(model, names))
 
 
-def _tied_head(model: torch.nn.Module, names: CheckpointNames) -> tuple[str, str] | None:
-    """(head, embedding) checkpoint names when the model's output head shares its weight with a plain
-    ``nn.Embedding`` (what ``qfp8.quantize`` ties as a QEmbedding), else None."""
+def _tied_head(model: torch.nn.Module, names: CheckpointNames) -> tuple[str, str, str | None] | None:
+    """(head, embedding, why not) when the model's output head shares its weight with an ``nn.Embedding``:
+    their checkpoint names, and why ``qfp8.quantize`` would keep the head float rather than tie the embedding
+    to it as a QEmbedding (None: it would). None when nothing is tied."""
     try:
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         return None
-    if (
-        not isinstance(head, torch.nn.Linear)
-        or not is_plain_embedding(embedding)
-        or head.weight is not embedding.weight
-    ):
+    if not isinstance(head, torch.nn.Linear) or not isinstance(embedding, torch.nn.Embedding):
+        return None
+    if head.weight is not embedding.weight:
         return None
     found = {id(m): name for name, m in model.named_modules()}
-    return tuple(names.to_checkpoint(found[id(m)] + ".weight").removesuffix(".weight") for m in (head, embedding))
+    head_name, embedding_name = (
+        names.to_checkpoint(found[id(m)] + ".weight").removesuffix(".weight") for m in (head, embedding)
+    )
+    return head_name, embedding_name, untieable_reason(embedding)
+
+
+def _untie(config: dict) -> None:
+    """``tie_word_embeddings`` false in a config.json dict and its ``text_config`` (a VLM's language model)."""
+    for part in (config, config.get("text_config")):
+        if isinstance(part, dict):
+            part["tie_word_embeddings"] = False
 
 
 def _nothing_quantized(model: ModelLinears, reasons: dict[str, str], user_patterns: bool) -> str:
@@ -308,10 +317,11 @@ def stream_quantize(
     user_patterns = exclude is not DEFAULT_EXCLUDE
     exclude = exclude_patterns(exclude)
     fused_names = sorted({fused for fused, _ in expert_parts.values()})
+    tied_names = [found.tied[1]] if found.tied else []  # a pattern naming a tied embedding acts on its head
     if user_patterns:
         for note in unmatched_exclude_notes(
             exclude,
-            [*linears, *expert_parts, *fused_names],
+            [*linears, *expert_parts, *fused_names, *tied_names],
             checkpoint.config.get("model_type", "the model"),
             "qfp8 quantize",
         ):
@@ -325,17 +335,26 @@ def stream_quantize(
     reasons: dict[str, str] = {}  # why each one ignored is
     layers: dict[str, qconfig.Layer] = {}
     by = "--exclude" if user_patterns else "the default --exclude"
-    # A head tied to its embedding: one table, stored under either name. Quantized, the head is written
-    # from it and the embedding as its dequantized rows (see qfp8.nn.embedding), as qfp8.save_pretrained does.
+    # A head tied to its embedding: one table, stored under either name (or both, equal). Quantized, the
+    # head is written from it and the embedding as its dequantized rows (see qfp8.nn.embedding), as
+    # qfp8.quantize + save_pretrained do; kept float where quantize keeps it float.
     weight_keys = {name: name + ".weight" for name in linears}
     tied_head = tied_embedding = None
+    skipped: set[str] = set()  # a stored name the table is not written under
+    untied = False  # both names stored with different tables: transformers does not tie them either
     if found.tied is not None:
-        head, embedding = found.tied
-        weight_keys[head] = next((k for k in (head + ".weight", embedding + ".weight") if k in plan.tensors), "")
-        if pattern := excluded_by(embedding, exclude):
-            reasons[head] = f"tied to {embedding}, excluded by {by} {pattern}"
+        head, embedding, why = found.tied
+        keys = [key for key in (head + ".weight", embedding + ".weight") if key in plan.tensors]
+        if len(keys) == 2 and not torch.equal(plan.load(keys[0], mmap=True), plan.load(keys[1], mmap=True)):
+            untied = True
         else:
-            tied_head, tied_embedding = head, embedding
+            weight_keys[head] = keys[0] if keys else ""
+            if why is None and (pattern := excluded_by(embedding, exclude)):
+                why = f"excluded by {by} {pattern}"
+            if why is not None:
+                reasons[head] = f"tied to {embedding} ({why})"
+            else:
+                tied_head, tied_embedding = head, embedding
     for name in linears:
         stored = plan.tensors.get(weight_keys[name])
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
@@ -445,8 +464,11 @@ def stream_quantize(
     for key, stored in plan.tensors.items():
         info = stored.file.info(stored.name)
         module = key[: -len(".weight")] if key.endswith(".weight") else None
+        if key in skipped:
+            continue
         if tied_head in quantized and key == weight_keys[tied_head]:
             embedding_key = tied_embedding + ".weight"
+            skipped.add(embedding_key)  # stored too (equal): written once, as the head's rows
             # The table the embedding reads: the head's FP8 weight, dequantized in the stored dtype.
             out.append(
                 PlannedTensor(
@@ -475,8 +497,9 @@ def stream_quantize(
 
     config = dict(checkpoint.config)
     config["quantization_config"] = qconfig.build_quantization_config(quantized, ignored, kv_dtype)
+    if tied_head in quantized or untied:
+        _untie(config)
     if tied_head in quantized:
-        config["tie_word_embeddings"] = False
         config[qconfig.TIED_EMBEDDINGS_KEY] = {tied_embedding: tied_head}
     bar = _progress(sum(t.nbytes for t in out), progress)
     try:

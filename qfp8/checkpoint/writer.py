@@ -418,11 +418,14 @@ def tied_embeddings(model: nn.Module) -> dict[str, str]:
     """``{embedding: head}``, checkpoint module names, for each QEmbedding of ``model`` (an embedding that reads a
     quantized lm_head's rows): config.json records them, so that qfp8's loader ties them again."""
     names = CheckpointNames(model)
+    modules = dict(model.named_modules())
+    where = {id(module): name for name, module in modules.items()}
     found = {}
-    for name, module in model.named_modules():
-        if isinstance(module, QEmbedding):
+    for name, module in modules.items():
+        # A head outside the saved module (model.model saved alone): the table is written, as a plain embedding.
+        if isinstance(module, QEmbedding) and id(module.head) in where:
             embedding = names.to_checkpoint(name + ".weight").removesuffix(".weight")
-            found[embedding] = names.to_checkpoint(module.head_name + ".weight").removesuffix(".weight")
+            found[embedding] = names.to_checkpoint(where[id(module.head)] + ".weight").removesuffix(".weight")
     return found
 
 

@@ -31,17 +31,24 @@ from qfp8.tensor.weights import check_row_ids
 # are 2^-3 (e4m3) apart, so the float table the head was quantized from
 # differs by far more.
 LOADED_TOLERANCE = 2.0**-8
+LOADED_FLOOR = 2.0**-24  # fp16's subnormal step: where fp16's rounding is absolute, not relative
 _CHECK_ROWS = 4096  # rows dequantized at a time when checking a loaded table
 
 
+def untieable_reason(module: nn.Module) -> str | None:
+    """Why ``module`` cannot become a QEmbedding (None: a plain ``nn.Embedding``, which can). A subclass is
+    refused even when it keeps ``forward``: its other methods and attributes would be lost."""
+    if type(module) is not nn.Embedding:
+        return f"a {type(module).__name__}, not a plain nn.Embedding"
+    if module.max_norm is not None:
+        return "an nn.Embedding with max_norm, which renormalizes its rows in place"
+    if module.sparse:
+        return "an nn.Embedding with sparse gradients"
+    return None
+
+
 def is_plain_embedding(module: nn.Module) -> bool:
-    """An ``nn.Embedding`` (or a subclass that keeps its ``forward``) that does not renormalize its rows."""
-    return (
-        isinstance(module, nn.Embedding)
-        and type(module).forward is nn.Embedding.forward
-        and module.max_norm is None
-        and not module.sparse
-    )
+    return untieable_reason(module) is None
 
 
 class QEmbedding(nn.Module):
@@ -56,6 +63,10 @@ class QEmbedding(nn.Module):
         self.name = name or "QEmbedding"
         self.__dict__["head"] = head  # not a submodule: the model names the head once, where it sits
         self._loaded: torch.Tensor | None = None  # a loaded table not yet checked against the head
+        # The output dtype, as an nn.Embedding's weight holds it: cast with this module (model.model.to(...)),
+        # not with the head. Empty and not saved.
+        device = head.weight_scale.device if head.weight_scale.device.type != "meta" else None
+        self.register_buffer("dtype_of_rows", torch.empty(0, dtype=head.orig_dtype, device=device), persistent=False)
 
     @classmethod
     def tied_to(cls, embedding: nn.Embedding, head: QLinear, head_name: str, name: str) -> QEmbedding:
@@ -80,31 +91,45 @@ class QEmbedding(nn.Module):
         if self._loaded is not None:
             self.check_loaded()
         check_row_ids(input, self.num_embeddings, f"module {self.name!r}")
+        return self._rows(input.long(), self.dtype_of_rows.dtype)
+
+    def _rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         head = self.head
-        buffers = head._buffers
-        return dequantized_rows(
-            head.packing,
-            buffers["qweight"],
-            buffers["weight_scale"],
-            head.scheme.block_size,
-            input.long(),
-            head.out_features,
-            head.in_features,
-            head.orig_dtype,
-        )
+        hook = getattr(head, "_hf_hook", None)  # accelerate's offload: the head's weights load for its own calls
+        offloaded = hook is not None and any(b is not None and b.is_meta for b in head._buffers.values())
+        if offloaded:
+            hook.pre_forward(head)
+        try:
+            buffers = head._buffers
+            return dequantized_rows(
+                head.packing,
+                buffers["qweight"],
+                buffers["weight_scale"],
+                head.scheme.block_size,
+                ids,
+                head.out_features,
+                head.in_features,
+                dtype,
+            )
+        finally:
+            if offloaded:
+                hook.post_forward(head, None)
 
     def table(self) -> torch.Tensor:
-        """The whole dequantized ``[vocab, hidden]`` table, in the head's float dtype."""
-        return self.head.weight.dequantize()
+        """The whole dequantized ``[vocab, hidden]`` table, in this module's dtype."""
+        ids = torch.arange(self.num_embeddings, device=self.head.weight_scale.device)
+        return self._rows(ids, self.dtype_of_rows.dtype)
 
     # --------------------------------------------------------- state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if _STATE_SPEC_ONLY.get():
             destination[prefix + "weight"] = torch.empty(
-                self.num_embeddings, self.embedding_dim, dtype=self.head.orig_dtype, device="meta"
+                self.num_embeddings, self.embedding_dim, dtype=self.dtype_of_rows.dtype, device="meta"
             )
-        else:
-            destination[prefix + "weight"] = self.table()
+            return
+        if self._loaded is not None:
+            self.check_loaded()  # a table loaded and not yet checked: not saved as the head's unseen
+        destination[prefix + "weight"] = self.table()
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -135,9 +160,10 @@ class QEmbedding(nn.Module):
             return
         for start in range(0, self.num_embeddings, _CHECK_ROWS):
             ids = torch.arange(start, min(start + _CHECK_ROWS, self.num_embeddings), device=self.head.qweight.device)
-            rows = self.forward(ids).float()
+            rows = self._rows(ids, torch.float32)
             given = loaded[start : start + len(ids)].to(rows.device, torch.float32)
-            off = (given - rows).abs() > LOADED_TOLERANCE * rows.abs()
+            # Within a bf16 copy's rounding, or an fp16 one's in its subnormal range; NaN is off too.
+            off = ~((given - rows).abs() <= torch.clamp(LOADED_TOLERANCE * rows.abs(), min=LOADED_FLOOR))
             if off.any():
                 row, col = (int(i) for i in off.nonzero()[0])
                 self._loaded = loaded

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import qfp8
 from qfp8.cli import main
@@ -242,18 +243,71 @@ def test_stream_quantizes_a_tied_head_as_quantize_does(tiny, tmp_path, case, cap
         assert torch.equal(loaded(x).logits, model(x).logits)
 
 
-def test_stream_keeps_a_tied_head_float_by_default_and_when_its_embedding_is_excluded(tiny, tmp_path):
+def tied_source(tiny, directory, names):
+    """A float tied checkpoint storing its table under ``names`` (lm_head.weight, as transformers 5 writes
+    it, and/or model.embed_tokens.weight)."""
+    tiny.model(torch.bfloat16, tie_word_embeddings=True).save_pretrained(directory)
+    tensors = tiny.tensors(directory)
+    table = tensors.pop("model.embed_tokens.weight", None)
+    table = tensors.pop("lm_head.weight", table)
+    tensors.update({name: table.clone() for name in names})
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return table
+
+
+@pytest.mark.parametrize(
+    "stored", [["lm_head.weight"], ["model.embed_tokens.weight"], ["lm_head.weight", "model.embed_tokens.weight"]]
+)
+def test_stream_keeps_a_tied_head_float_by_default_and_when_its_embedding_is_excluded(tiny, tmp_path, stored):
     source = tmp_path / "float"
-    tiny.model(torch.bfloat16, tie_word_embeddings=True).save_pretrained(source)
-    assert main(["quantize", str(source), str(tmp_path / "default"), "--no-progress"]) == 0
-    with pytest.warns(UserWarning, match="matches no nn.Linear"):  # embed_tokens is not a Linear
+    tied_source(tiny, source, stored)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # '*embed_tokens' acts on the tied head: no "matches nothing" warning
+        assert main(["quantize", str(source), str(tmp_path / "default"), "--no-progress"]) == 0
         code = main(
             ["quantize", str(source), str(tmp_path / "excluded"), "--no-progress", "--exclude", "*embed_tokens"]
         )
     assert code == 0
+    model = tiny.model(torch.bfloat16, tie_word_embeddings=True)
+    x = tiny.tokens()
     for folder in ("default", "excluded"):
         config = json.loads((tmp_path / folder / "config.json").read_text())
         assert config["tie_word_embeddings"] is True and "qfp8_tied_embeddings" not in config
         assert "lm_head" in config["quantization_config"]["ignore"]
         tensors = tiny.tensors(tmp_path / folder)
         assert not any(k.endswith("weight_scale") and ("lm_head" in k or "embed" in k) for k in tensors)
+        loaded = qfp8.from_pretrained(tmp_path / folder)  # whichever name holds the table
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+        assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+        with torch.no_grad():
+            assert torch.isfinite(loaded(x).logits).all()
+
+
+@pytest.mark.parametrize("stored", [["lm_head.weight"], ["lm_head.weight", "model.embed_tokens.weight"]])
+def test_stream_ties_a_table_stored_under_either_or_both_names(tiny, tmp_path, stored):
+    source = tmp_path / "float"
+    tied_source(tiny, source, stored)
+    assert main(["quantize", str(source), str(tmp_path / "stream"), "--no-progress", "--exclude"]) == 0
+    model = tiny.model(torch.bfloat16, tie_word_embeddings=True)
+    qfp8.quantize(model, exclude=())
+    qfp8.save_pretrained(model, tmp_path / "memory")
+    streamed, in_memory = tiny.tensors(tmp_path / "stream"), tiny.tensors(tmp_path / "memory")
+    assert streamed.keys() == in_memory.keys()
+    assert all(torch.equal(streamed[k].view(torch.uint8), v.view(torch.uint8)) for k, v in in_memory.items())
+
+
+def test_stream_of_two_different_tables_under_the_tied_names_unties_them(tiny, tmp_path):
+    """transformers does not tie a checkpoint's two different tables either: the head is quantized from its own."""
+    source = tmp_path / "float"
+    table = tied_source(tiny, source, ["lm_head.weight"])
+    tensors = tiny.tensors(source)
+    tensors["model.embed_tokens.weight"] = table * 2
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    assert main(["quantize", str(source), str(tmp_path / "stream"), "--no-progress", "--exclude"]) == 0
+    config = json.loads((tmp_path / "stream" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and "qfp8_tied_embeddings" not in config
+    written = tiny.tensors(tmp_path / "stream")
+    assert written["lm_head.weight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(written["model.embed_tokens.weight"], table * 2)
+    loaded = qfp8.from_pretrained(tmp_path / "stream")
+    assert type(loaded.get_input_embeddings()) is torch.nn.Embedding

@@ -275,3 +275,109 @@ def test_a_forward_hook_on_the_embedding_moves_to_the_qembedding():
     with torch.no_grad():
         model(tokens())
     assert seen == [(model.get_input_embeddings(), (2, 10, 64))]
+
+
+# ------------------------------------------------------ found by the audit
+def test_a_vlm_keeps_the_tie_in_its_text_config_too(tmp_path):
+    """Llava over a tied Llama: the flag its language model reads is text_config's."""
+    text = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=310)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    quantized(model)
+    assert isinstance(model.get_input_embeddings(), QEmbedding)
+    assert model.config.text_config.tie_word_embeddings is False
+    qfp8.save_pretrained(model, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["text_config"]["tie_word_embeddings"] is False
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert isinstance(loaded.get_input_embeddings(), QEmbedding)
+    ids = torch.randint(0, 300, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("offload", ["cpu_offload", "disk_offload"])
+def test_accelerate_offload_of_the_head_buffers(tmp_path, offload):
+    accelerate = pytest.importorskip("accelerate", reason="accelerate's offload hooks")
+    model = quantized()
+    ids = tokens()
+    with torch.no_grad():
+        expected = model(ids).logits
+    if offload == "cpu_offload":
+        accelerate.cpu_offload(model, torch.device("cpu"), offload_buffers=True)
+    else:
+        accelerate.disk_offload(model, tmp_path, torch.device("cpu"), offload_buffers=True)
+    assert model.lm_head.weight_scale.is_meta  # the head's buffers wait on meta outside its own calls
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+
+
+def test_a_bf16_checkpoint_loads_as_float16_despite_fp16_subnormals(tmp_path):
+    model = quantized(tied_llama(dtype=torch.bfloat16))
+    qfp8.save_pretrained(model, tmp_path)
+    loaded = qfp8.from_pretrained(tmp_path, dtype=torch.float16)
+    assert isinstance(loaded.get_input_embeddings(), QEmbedding)
+
+
+def test_saving_the_base_model_writes_the_table_as_a_plain_embedding(tmp_path):
+    model = quantized()
+    qfp8.save_pretrained(model.model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "qfp8_tied_embeddings" not in config  # its head is not in the folder
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert type(loaded.get_input_embeddings()) is nn.Embedding
+    ids = tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).last_hidden_state, model.model(ids).last_hidden_state)
+
+
+def test_an_unchecked_loaded_table_is_not_saved_and_nan_is_refused():
+    model, state = quantized(), quantized().state_dict()
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * 1.5
+    model.load_state_dict(state)  # torch's: the check waits
+    with pytest.raises(ValueError, match="is not the FP8 weight of 'lm_head'"):
+        model.state_dict()
+    state = quantized().state_dict()
+    state["model.embed_tokens.weight"][7, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"row 7, column 3: nan"):
+        qfp8.load_state_dict(quantized(), state)
+
+
+def test_an_excluded_embedding_warns_once_with_the_remedy():
+    import warnings
+
+    model = tied_llama()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qfp8.quantize(model, exclude=("model.embed_tokens",))
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "to quantize both, leave it out of exclude" in messages[0], messages
+
+
+def test_the_embedding_follows_its_own_cast():
+    model = quantized()
+    model.model.to(torch.bfloat16)  # the head (outside model.model) stays float32
+    with torch.no_grad():
+        assert model.get_input_embeddings()(tokens()).dtype == torch.bfloat16
+        assert model.lm_head(torch.randn(2, 64)).dtype == torch.float32
+
+
+def test_an_embedding_subclass_keeps_the_head_float():
+    class Tagged(nn.Embedding):  # keeps nn.Embedding.forward, adds what a QEmbedding would not have
+        def tag(self):
+            return "mine"
+
+    model = tied_llama()
+    tagged = Tagged(300, 64)
+    tagged.weight = model.lm_head.weight
+    model.model.embed_tokens = tagged
+    with pytest.warns(UserWarning, match="a Tagged, not a plain nn.Embedding"):
+        qfp8.quantize(model, exclude=())
+    assert model.model.embed_tokens.tag() == "mine" and type(model.lm_head) is nn.Linear
