@@ -94,6 +94,11 @@ def rows(accuracy: str) -> list[Row]:
     if accuracy:
         table += [
             Row(f"w8a16-channel+{accuracy}", f"W8A16 e4m3 channel, accuracy={accuracy}", _w("channel", **acc)),
+            Row(
+                f"w8a16-channel-head+{accuracy}",
+                f"W8A16 e4m3 channel, lm_head too, accuracy={accuracy}",
+                _w("channel", exclude=(), **acc),
+            ),
             Row(f"w8a8-token+{accuracy}", f"W8A8 channel/token, accuracy={accuracy}", _a("channel", "token", **acc)),
             Row(
                 f"w8a8-token-mse+{accuracy}",
