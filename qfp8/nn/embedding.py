@@ -93,7 +93,8 @@ class QEmbedding(nn.Module):
         check_row_ids(input, self.num_embeddings, f"module {self.name!r}")
         return self._rows(input.long(), self.dtype_of_rows.dtype)
 
-    def _rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _rows(self, ids: torch.Tensor | range, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (a tensor, or a range of rows made on the head's device) of the head's weight."""
         head = self.head
         hook = getattr(head, "_hf_hook", None)  # accelerate's offload: the head's weights load for its own calls
         offloaded = hook is not None and any(b is not None and b.is_meta for b in head._buffers.values())
@@ -101,6 +102,8 @@ class QEmbedding(nn.Module):
             hook.pre_forward(head)
         try:
             buffers = head._buffers
+            if isinstance(ids, range):
+                ids = torch.arange(ids.start, ids.stop, device=buffers["qweight"].device)
             return dequantized_rows(
                 head.packing,
                 buffers["qweight"],
@@ -117,8 +120,7 @@ class QEmbedding(nn.Module):
 
     def table(self) -> torch.Tensor:
         """The whole dequantized ``[vocab, hidden]`` table, in this module's dtype."""
-        ids = torch.arange(self.num_embeddings, device=self.head.weight_scale.device)
-        return self._rows(ids, self.dtype_of_rows.dtype)
+        return self._rows(range(self.num_embeddings), self.dtype_of_rows.dtype)
 
     # --------------------------------------------------------- state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -159,9 +161,8 @@ class QEmbedding(nn.Module):
         if loaded is None or loaded.device.type == "meta" or self.head.qweight.device.type == "meta":
             return
         for start in range(0, self.num_embeddings, _CHECK_ROWS):
-            ids = torch.arange(start, min(start + _CHECK_ROWS, self.num_embeddings), device=self.head.qweight.device)
-            rows = self._rows(ids, torch.float32)
-            given = loaded[start : start + len(ids)].to(rows.device, torch.float32)
+            rows = self._rows(range(start, min(start + _CHECK_ROWS, self.num_embeddings)), torch.float32)
+            given = loaded[start : start + len(rows)].to(rows.device, torch.float32)
             # Within a bf16 copy's rounding, or an fp16 one's in its subnormal range; NaN is off too.
             off = ~((given - rows).abs() <= torch.clamp(LOADED_TOLERANCE * rows.abs(), min=LOADED_FLOOR))
             if off.any():
