@@ -216,7 +216,7 @@ def unmatched_exclude_notes(patterns, linear_names, model_name: str, caller: str
     ]
 
 
-def _tied_float_holders(model: nn.Module, quantized: list[nn.Module]) -> dict[int, list[str]]:
+def tied_float_holders(model: nn.Module, quantized: list[nn.Module]) -> dict[int, list[str]]:
     """For each Linear of ``quantized`` whose weight Parameter another, unquantized module also holds
     (a tied ``lm_head`` and its embedding): ``id(linear) -> [that module's name, ...]``."""
     holders: dict[int, list[tuple[str, nn.Module]]] = {}
@@ -232,7 +232,10 @@ def _tied_float_holders(model: nn.Module, quantized: list[nn.Module]) -> dict[in
     return tied
 
 
-def _untieable(modules: dict[str, nn.Module], others: list[str], exclude) -> str | None:
+DEFAULT_KEEPS_TIED = "the default exclude keeps a tied output layer float, as it keeps lm_head"
+
+
+def untie_problem(modules: dict[str, nn.Module], others: list[str], exclude, explicit: bool = True) -> str | None:
     """Why the float modules ``others`` sharing a quantized Linear's weight cannot read it from FP8 (None: they
     are one plain ``nn.Embedding``, which becomes a QEmbedding)."""
     holders = {id(modules[name]) for name in others}
@@ -243,6 +246,8 @@ def _untieable(modules: dict[str, nn.Module], others: list[str], exclude) -> str
         return why
     if pattern := excluded_by(others[0], exclude):
         return f"excluded by pattern {pattern!r}"
+    if not explicit:  # BERT's cls.predictions.decoder, say: an output layer not named lm_head
+        return DEFAULT_KEEPS_TIED
     return None
 
 
@@ -509,24 +514,25 @@ def quantize(
     modules = dict(model.named_modules(remove_duplicate=False))
     notes = []
     linears = [entry for entry in report.quantized if not entry.experts]
-    tied = _tied_float_holders(model, [modules[entry.name] for entry in linears])
+    tied = tied_float_holders(model, [modules[entry.name] for entry in linears])
     ties: dict[str, str] = {}  # a quantized Linear's name -> the name of the embedding tied to it
     for entry in linears:
         others = tied.get(id(modules[entry.name]))
         if not others:
             continue
         linear_names += others  # an exclude pattern naming the embedding acts on the Linear
-        why = _untieable(modules, others, exclude)
+        why = untie_problem(modules, others, exclude, explicit=user_patterns)
         if why is None:
             ties[entry.name] = others[0]
             continue
         entry.quantized = False
         entry.reason = f"weight tied to {', '.join(others)} (kept in float)"
-        remedy = (
-            "to quantize both, leave it out of exclude"
-            if why.startswith("excluded by")
-            else "to quantize it, give it its own copy of the weight first"
-        )
+        if why.startswith("excluded by"):
+            remedy = "to quantize both, leave it out of exclude"
+        elif why == DEFAULT_KEEPS_TIED:
+            remedy = "to quantize both (one FP8 table), pass exclude=() or your own patterns"
+        else:
+            remedy = "to quantize it, give it its own copy of the weight first"
         notes.append(
             f"quantize: {entry.name!r} is kept in float: its weight is the same Parameter as that of "
             f"{', '.join(map(repr, others))}, which stays in float ({why}); {remedy}"

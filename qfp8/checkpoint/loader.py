@@ -322,9 +322,11 @@ def _tie(model: nn.Module) -> None:
 
 
 def _fill_tied_table(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """A float table tied between the input embedding and a float ``lm_head`` and stored under one of the two
-    names (transformers 5 writes ``lm_head.weight``) fills both: ``tie_weights`` then ties two loaded tensors,
-    instead of the loaded head to the embedding left on meta."""
+    """The word-embedding table a config ties, as transformers loads it: stored under one of the two names
+    (transformers 5 writes ``lm_head.weight``), it fills both, so that ``tie_weights`` ties two loaded tensors
+    rather than the loaded head to an embedding left on meta; stored as two different tables, the two are
+    not tied (the config's flag is cleared, with a warning), where ``tie_weights`` would silently make one of
+    them the other (or fail on a quantized head)."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else None
     if not any(getattr(c, "tie_word_embeddings", False) for c in (config, text)):
@@ -333,14 +335,31 @@ def _fill_tied_table(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         return
-    if type(head) is not nn.Linear or embedding is None:
-        return
     where = {id(module): name for name, module in model.named_modules()}
-    if id(head) not in where or id(embedding) not in where:
+    if head is None or embedding is None or id(head) not in where or id(embedding) not in where:
         return
     keys = [where[id(head)] + ".weight", where[id(embedding)] + ".weight"]
     present = [key for key in keys if key in state]
-    if len(present) == 1:
+    if len(present) == 2:
+        first, second = state[keys[0]], state[keys[1]]
+        if first.dtype != second.dtype or first.shape != second.shape or not torch.equal(first, second):
+            from qfp8.quantize import untie_config  # quantize imports the checkpoint package
+
+            untie_config(config)
+            warnings.warn(
+                f"load: the config ties {keys[0]} to {keys[1]} (tie_word_embeddings), but the state holds two "
+                "different tensors under those names: they are loaded as they are, not tied (as transformers "
+                "does); tie_word_embeddings is now false",
+                stacklevel=3,
+            )
+        return
+    if type(head) is not nn.Linear or len(present) != 1:
+        return
+    # Tied for real: some classes set the flag and tie nothing (BigBirdPegasusForCausalLM). A skeleton built
+    # on meta has its ties undone (accelerate's empty weights): tie_weights shows what the model ties.
+    with contextlib.suppress(Exception):
+        model.tie_weights()
+    if head.weight is embedding.weight:
         state[keys[1 - keys.index(present[0])]] = state[present[0]]
 
 
@@ -426,6 +445,7 @@ def assign_state(
             raise ValueError(f"{_where(plan, key)}tensor {key!r} is {value.dtype}, the model expects {target.dtype}")
         if target.is_floating_point() and not target_fp8 and value.dtype != target.dtype:
             state[key] = value.to(target.dtype)
+    _fill_tied_table(model, state)
     # QLinears (and experts) first, one at a time: a kernel that packs weights
     # makes its own copy, and the mapped pages of the stored weight are
     # released right away so that the file and the packed copy are never both resident.
@@ -444,7 +464,6 @@ def assign_state(
             raise ValueError(f"{_where(plan, prefix + 'weight')}module {name!r}: {problems}") from None
         if plan is not None:  # a file's mapped pages; a caller's own tensors are left alone
             _release_if_copied(module, own["weight"])
-    _fill_tied_table(model, state)
     result = model.load_state_dict(state, strict=False, assign=True)
     _tie(model)
     still_meta = [
@@ -491,6 +510,7 @@ def _tie_loaded_embeddings(model: nn.Module, tied, directory: Path) -> None:
         table = embedding.weight.detach()
         try:
             tied_module = tie_embedding(model, head_name, embedding_name)
+            tied_module.dtype_of_rows = tied_module.dtype_of_rows.to(table.dtype)  # the rows' dtype: the table's
             tied_module._loaded = table
             tied_module.check_loaded()
         except ValueError as error:

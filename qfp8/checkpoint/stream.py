@@ -70,7 +70,6 @@ from qfp8.checkpoint.writer import (
     parse_size,
     write_checkpoint,
 )
-from qfp8.nn.embedding import untieable_reason
 from qfp8.nn.experts import find_fused_experts, scheme_reason
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.quantize import (
@@ -81,7 +80,9 @@ from qfp8.quantize import (
     float_linear_reason,
     other_kinds_clause,
     other_weight_kinds,
+    tied_float_holders,
     unmatched_exclude_notes,
+    untie_problem,
 )
 
 CHUNK_ROWS = 1024  # rows quantized at once: bounds the float32 temporaries
@@ -149,8 +150,10 @@ class ModelLinears(NamedTuple):
     expert_parts: dict[str, tuple[str, list[str]]]
     model_name: str  # the class built, e.g. "GPT2LMHeadModel"
     other_kinds: list[str]  # classes of other modules holding float matrix weights (GPT-2's Conv1D), kept in float
-    # (head, embedding) checkpoint names of an output head tied to a plain input embedding (one stored table)
-    tied: tuple[str, str] | None = None
+    # (head, embedding, why not) checkpoint names of an output head tied to float modules (see _tied_head)
+    tied: tuple[str, str, str | None] | None = None
+    # each Parameter held under several names (BERT's tied cls.predictions.bias): checkpoint name -> the others
+    shared: dict[str, list[str]] | None = None
 
 
 def _linear_names(config_dir: Path) -> ModelLinears:
@@ -172,26 +175,32 @@ def _linear_names(config_dir: Path) -> ModelLinears:
         for expert in names.expert_modules(item.name, item.module._parameters[item.attr].shape[0]) or ():
             parts.update((part, (item.name, expert)) for part in expert)
     others = other_weight_kinds(model, {id(item.module._parameters[item.attr]) for item in fused})
-    return ModelLinears(linears, parts, type(model).__name__, others, _tied_head(model, names))
+    holders: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(names.to_checkpoint(name))
+    shared = {name: [n for n in group if n != name] for group in holders.values() if len(group) > 1 for name in group}
+    return ModelLinears(linears, parts, type(model).__name__, others, _tied_head(model, names), shared)
 
 
 def _tied_head(model: torch.nn.Module, names: CheckpointNames) -> tuple[str, str, str | None] | None:
-    """(head, embedding, why not) when the model's output head shares its weight with an ``nn.Embedding``:
-    their checkpoint names, and why ``qfp8.quantize`` would keep the head float rather than tie the embedding
-    to it as a QEmbedding (None: it would). None when nothing is tied."""
+    """(head, embedding, why not) when the model's output head shares its weight with modules kept in float
+    (its input embedding): their checkpoint names, and why ``qfp8.quantize`` would keep the head float rather
+    than tie the embedding to it as a QEmbedding (None: it would; T5's table, held by three embeddings, and
+    Gemma's scaled embedding keep it float). None when the head is tied to nothing."""
     try:
-        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        head = model.get_output_embeddings()
     except (AttributeError, NotImplementedError):
         return None
-    if not isinstance(head, torch.nn.Linear) or not isinstance(embedding, torch.nn.Embedding):
+    if not isinstance(head, torch.nn.Linear):
         return None
-    if head.weight is not embedding.weight:
+    others = tied_float_holders(model, [head]).get(id(head))
+    if not others:
         return None
     found = {id(m): name for name, m in model.named_modules()}
     head_name, embedding_name = (
-        names.to_checkpoint(found[id(m)] + ".weight").removesuffix(".weight") for m in (head, embedding)
+        names.to_checkpoint(n + ".weight").removesuffix(".weight") for n in (found[id(head)], others[0])
     )
-    return head_name, embedding_name, untieable_reason(embedding)
+    return head_name, embedding_name, untie_problem(dict(model.named_modules(remove_duplicate=False)), others, ())
 
 
 def _untie(config: dict) -> None:
@@ -351,6 +360,8 @@ def stream_quantize(
             weight_keys[head] = keys[0] if keys else ""
             if why is None and (pattern := excluded_by(embedding, exclude)):
                 why = f"excluded by {by} {pattern}"
+            elif why is None and not user_patterns:
+                why = "the default --exclude keeps a tied output layer float, as it keeps lm_head"
             if why is not None:
                 reasons[head] = f"tied to {embedding} ({why})"
             else:
@@ -494,6 +505,14 @@ def stream_quantize(
             if attention in kv_scales:
                 out += [scalar(name) for name in kv_scales.pop(attention)]
     out += [scalar(name) for names in kv_scales.values() for name in names]
+    # A quantized layer's bias stored under another name only (tied: BERT's decoder.bias is cls.predictions.bias):
+    # its QLinear holds a bias of its own, so it is written under the layer's name too, as save_pretrained does.
+    for module in quantized:
+        key = module + ".bias"
+        source = next((n for n in (found.shared or {}).get(key, []) if n in plan.tensors), None)
+        if key not in plan.tensors and source is not None:
+            info = plan.tensors[source].file.info(plan.tensors[source].name)
+            out.append(PlannedTensor(key, info.dtype, info.shape, lambda source=source: plan.load(source, mmap=False)))
 
     config = dict(checkpoint.config)
     config["quantization_config"] = qconfig.build_quantization_config(quantized, ignored, kv_dtype)

@@ -159,7 +159,7 @@ def plan_model_tensors(model: nn.Module) -> list[PlannedTensor]:
         if isinstance(module, QEmbedding):  # the tied head's dequantized rows, as a float table
             shape = (module.num_embeddings, module.embedding_dim)
             plan.append(
-                PlannedTensor(names.to_checkpoint(prefix + "weight"), module.head.orig_dtype, shape, module.table)
+                PlannedTensor(names.to_checkpoint(prefix + "weight"), module.dtype_of_rows.dtype, shape, module.table)
             )
             continue
         if isinstance(module, QLinear):

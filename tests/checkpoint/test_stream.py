@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -311,3 +312,45 @@ def test_stream_of_two_different_tables_under_the_tied_names_unties_them(tiny, t
     assert torch.equal(written["model.embed_tokens.weight"], table * 2)
     loaded = qfp8.from_pretrained(tmp_path / "stream")
     assert type(loaded.get_input_embeddings()) is torch.nn.Embedding
+
+
+def test_stream_keeps_a_head_float_where_quantize_does_and_writes_a_tied_bias(tiny, tmp_path):
+    """T5's table has three holders (shared, encoder and decoder embed_tokens): quantize keeps lm_head float,
+    and so does the CLI. BERT's decoder.bias is stored as cls.predictions.bias only: the CLI writes it under the
+    quantized decoder's name too, as save_pretrained does."""
+    import transformers
+
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(
+            vocab_size=300, d_model=64, d_kv=16, d_ff=96, num_layers=1, num_decoder_layers=1, num_heads=4,
+            tie_word_embeddings=True, decoder_start_token_id=0,
+        )
+    ).eval()  # fmt: skip
+    t5.save_pretrained(tmp_path / "t5")
+    assert main(["quantize", str(tmp_path / "t5"), str(tmp_path / "t5q"), "--no-progress", "--exclude"]) == 0
+    config = json.loads((tmp_path / "t5q" / "config.json").read_text())
+    assert "lm_head" in config["quantization_config"]["ignore"] and "qfp8_tied_embeddings" not in config
+    ids = torch.randint(3, 300, (1, 8))
+    in_memory = qfp8.quantize(copy.deepcopy(t5), exclude=()).model
+    with torch.no_grad():
+        loaded = qfp8.from_pretrained(tmp_path / "t5q")
+        assert torch.equal(
+            loaded(input_ids=ids, decoder_input_ids=ids[:, :5]).logits,
+            in_memory(input_ids=ids, decoder_input_ids=ids[:, :5]).logits,
+        )
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=96)
+    ).eval()  # fmt: skip
+    bert.save_pretrained(tmp_path / "bert")
+    assert "cls.predictions.decoder.bias" not in tiny.tensors(tmp_path / "bert")
+    assert main(["quantize", str(tmp_path / "bert"), str(tmp_path / "bertq"), "--no-progress", "--exclude"]) == 0
+    in_memory = qfp8.quantize(copy.deepcopy(bert), exclude=()).model
+    qfp8.save_pretrained(in_memory, tmp_path / "bertm")
+    streamed, saved = tiny.tensors(tmp_path / "bertq"), tiny.tensors(tmp_path / "bertm")
+    assert streamed.keys() == saved.keys()
+    assert all(torch.equal(streamed[k].view(torch.uint8), v.view(torch.uint8)) for k, v in saved.items())
+    with torch.no_grad():
+        assert torch.equal(
+            qfp8.from_pretrained(tmp_path / "bertq")(input_ids=ids).logits, in_memory(input_ids=ids).logits
+        )

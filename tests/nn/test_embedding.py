@@ -381,3 +381,61 @@ def test_an_embedding_subclass_keeps_the_head_float():
     with pytest.warns(UserWarning, match="a Tagged, not a plain nn.Embedding"):
         qfp8.quantize(model, exclude=())
     assert model.model.embed_tokens.tag() == "mine" and type(model.lm_head) is nn.Linear
+
+
+# ---------------------------------------------------- found by the re-audit
+def test_a_partly_cast_model_saves_and_reloads_its_table_dtype(tmp_path):
+    model = quantized()
+    model.model.to(torch.bfloat16)  # the embedding (and its table) bf16, the head float32
+    qfp8.save_pretrained(model, tmp_path)
+    assert load_file(tmp_path / "model.safetensors")["model.embed_tokens.weight"].dtype == torch.bfloat16
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert loaded.get_input_embeddings()(tokens()).dtype == torch.bfloat16
+
+
+def test_a_config_that_ties_but_a_model_that_does_not_is_loaded_untied():
+    """Two different tables under the tied names: transformers leaves them untied, and so does qfp8 (it had
+    tied them, silently, or failed on a quantized head)."""
+    for exclude in (("lm_head",), ()):
+        model = tied_llama()
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach() * 1.5)  # the flag still says tied
+        qfp8.quantize(model, exclude=exclude)
+        state = {key: value.clone() for key, value in model.state_dict().items()}
+        target = tied_llama(seed=3)
+        target.lm_head.weight = nn.Parameter(target.lm_head.weight.detach().clone())
+        qfp8.quantize(target, exclude=exclude)
+        with pytest.warns(UserWarning, match="two different tensors under those names: they are loaded as they are"):
+            qfp8.load_state_dict(target, state)
+        assert target.lm_head.weight is not target.model.embed_tokens.weight
+        assert target.config.tie_word_embeddings is False
+        with torch.no_grad():
+            assert torch.equal(target(tokens()).logits, model(tokens()).logits), exclude
+
+
+def test_a_flag_without_a_tie_is_not_filled():
+    """BigBirdPegasusForCausalLM sets tie_word_embeddings and ties nothing: loading its head alone leaves the
+    embedding as it was."""
+    config = transformers.BigBirdPegasusConfig(
+        vocab_size=300, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64,
+        attention_type="original_full",
+    )  # fmt: skip
+    model = transformers.BigBirdPegasusForCausalLM(config).eval()
+    assert config.tie_word_embeddings and model.lm_head.weight is not model.get_input_embeddings().weight
+    qfp8.quantize(model, exclude=("lm_head",))
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    head = torch.randn(300, 64)
+    qfp8.load_state_dict(model, {"lm_head.weight": head}, strict=False)
+    assert torch.equal(model.get_input_embeddings().weight, embedding) and torch.equal(model.lm_head.weight, head)
+
+
+def test_a_tied_output_layer_not_named_lm_head_stays_float_by_default():
+    """BERT's cls.predictions.decoder: the default exclude keeps a tied output layer float, as it keeps lm_head."""
+    config = transformers.BertConfig(
+        vocab_size=300, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96
+    )
+    model = transformers.BertForMaskedLM(config).eval()
+    with pytest.warns(UserWarning, match=r"default exclude keeps a tied output layer float.*pass exclude=\(\)"):
+        qfp8.quantize(copy.deepcopy(model))
+    qfp8.quantize(model, exclude=())
+    assert isinstance(model.get_input_embeddings(), QEmbedding)
