@@ -413,8 +413,9 @@ def quantize(
     ``exclude``: fnmatch patterns on a Linear's full dotted name or its tail
     (None: none); a pattern you give that matches no ``nn.Linear`` is warned
     about. A Linear whose weight is the same Parameter as a plain
-    ``nn.Embedding``'s (a tied ``lm_head``, when ``exclude`` lets it be
-    quantized) is quantized and the embedding becomes a
+    ``nn.Embedding``'s (a tied ``lm_head``, when the ``exclude`` you pass lets
+    it be quantized: the default keeps any tied output layer float, BERT's
+    decoder too) is quantized and the embedding becomes a
     :class:`qfp8.nn.embedding.QEmbedding` that reads its rows from the FP8
     weight (the float table goes; ``config.tie_word_embeddings`` is set false,
     as the saved checkpoint says). Tied to any other module kept in float, it

@@ -366,6 +366,7 @@ def stream_quantize(
                 reasons[head] = f"tied to {embedding} ({why})"
             else:
                 tied_head, tied_embedding = head, embedding
+                skipped.update(keys[1:])  # stored twice (equal): written once, as the head's rows
     for name in linears:
         stored = plan.tensors.get(weight_keys[name])
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
@@ -475,11 +476,10 @@ def stream_quantize(
     for key, stored in plan.tensors.items():
         info = stored.file.info(stored.name)
         module = key[: -len(".weight")] if key.endswith(".weight") else None
-        if key in skipped:
+        if key in skipped and tied_head in quantized:
             continue
         if tied_head in quantized and key == weight_keys[tied_head]:
             embedding_key = tied_embedding + ".weight"
-            skipped.add(embedding_key)  # stored too (equal): written once, as the head's rows
             # The table the embedding reads: the head's FP8 weight, dequantized in the stored dtype.
             out.append(
                 PlannedTensor(
