@@ -1,7 +1,7 @@
 """``python -m qfp8 demo``: SmolLM2-135M-Instruct in bf16 and in FP8, side by side.
 
 For each scheme: the text generated for a prompt (greedy), decode speed,
-the bytes of the weights, and perplexity on a fixed ``pydoc_data`` slice (the
+the bytes of the weights in memory, and perplexity on a fixed ``pydoc_data`` slice (the
 first ``--ppl-windows`` windows of ``qfp8.evaluate``'s evaluation slice; the
 accuracy mode calibrates on its disjoint calibration slice).
 """
@@ -26,6 +26,8 @@ from qfp8.checkpoint.layerwise import TOKENIZER_FILES
 SCHEMES: dict[str, dict | None] = {
     "bf16": None,
     "fp8-w8a16-channel": {"weight_scale": "channel"},
+    # lm_head too: SmolLM2's is tied, so its embedding reads the same FP8 table (qfp8/nn/embedding.py)
+    "fp8-w8a16-channel-head": {"weight_scale": "channel", "exclude": ()},
     "fp8-w8a8-dynamic-token": {"weight_scale": "channel", "activations": "dynamic", "activation_scale": "token"},
     "fp8-w8a8-static-tensor": {"weight_scale": "tensor", "activations": "static"},
 }
@@ -70,14 +72,14 @@ def check_tokenizer(model: str | os.PathLike) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's state dict as it would be saved (tied tensors counted once)."""
+    """Bytes the model holds in its parameters and buffers (each storage once: a tied table counts once, and
+    an embedding reading a quantized head's FP8 table adds nothing, though a checkpoint stores it in float)."""
     seen, total = set(), 0
-    for value in model.state_dict().values():
-        key = (value.data_ptr(), value.dtype, tuple(value.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        total += value.numel() * value.element_size()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
 
 
