@@ -251,6 +251,17 @@ def untie_problem(modules: dict[str, nn.Module], others: list[str], exclude, exp
     return None
 
 
+def tied_head_note(head: str, embedding: str, caller: str, option: str) -> str:
+    """The warning for a tied output layer that exclude patterns of the user leave in: it and its embedding go
+    to FP8 together, where the default would have kept both float."""
+    return (
+        f"{caller}: {head!r} and its tied embedding {embedding!r} are quantized to one FP8 table, as your {option} "
+        f"patterns do not name {head!r}; the output layer is the most sensitive to FP8 rounding (SmolLM2: KL "
+        f"0.048 against 0.019 with it float, 0.008 with accuracy='gptq'), and vLLM loads no quantized lm_head. "
+        f"Add {head!r} to {option} to keep both float"
+    )
+
+
 def tie_embedding(model: nn.Module, head_name: str, embedding_name: str) -> QEmbedding:
     """Replaces the plain ``nn.Embedding`` ``embedding_name`` (under each of its names) by a QEmbedding that
     reads its rows from the QLinear ``head_name``, and sets ``config.tie_word_embeddings`` false: qfp8 keeps
@@ -525,6 +536,8 @@ def quantize(
         why = untie_problem(modules, others, exclude, explicit=user_patterns)
         if why is None:
             ties[entry.name] = others[0]
+            if exclude:  # patterns of yours that leave it in (exclude=() asks for everything: no warning)
+                notes.append(tied_head_note(entry.name, others[0], "quantize", "exclude"))
             continue
         entry.quantized = False
         entry.reason = f"weight tied to {', '.join(others)} (kept in float)"

@@ -308,7 +308,7 @@ def calibrate_layerwise(
 
     check_architecture(plan.config, plan.directory)
     embed_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
-    # A tied table may be stored under either name (transformers 5 writes lm_head.weight).
+    # A tied table may be stored under either name (qfp8's own SmolLM2 folder holds lm_head.weight).
     aliases = {embed_name: head_name, head_name: embed_name}
     table_name = embed_name if embed_name in plan.tensors else head_name
     if table_name not in plan.tensors:

@@ -322,11 +322,16 @@ def _tie(model: nn.Module) -> None:
 
 
 def _fill_tied_table(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """The word-embedding table a config ties, as transformers loads it: stored under one of the two names
-    (transformers 5 writes ``lm_head.weight``), it fills both, so that ``tie_weights`` ties two loaded tensors
-    rather than the loaded head to an embedding left on meta; stored as two different tables, the two are
-    not tied (the config's flag is cleared, with a warning), where ``tie_weights`` would silently make one of
-    them the other (or fail on a quantized head)."""
+    """The word-embedding table a config ties, loaded as transformers loads it.
+
+    - Stored under one of the two names only (qfp8's own SmolLM2 folder holds ``lm_head.weight``), it fills
+      both, so that ``tie_weights`` ties two loaded tensors rather than the loaded head to an embedding left
+      on meta.
+    - Stored as two different tensors, or loaded into a model whose head and embedding are not tied although
+      its config says so (T5 v1.1's flag, forced by transformers; BigBirdPegasusForCausalLM ties nothing),
+      the two stay apart: the config's flag is cleared, where ``tie_weights`` would silently make one of them
+      the other (or fail on a quantized head).
+    """
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else None
     if not any(getattr(c, "tie_word_embeddings", False) for c in (config, text)):
@@ -338,27 +343,27 @@ def _fill_tied_table(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     where = {id(module): name for name, module in model.named_modules()}
     if head is None or embedding is None or id(head) not in where or id(embedding) not in where:
         return
+    from qfp8.quantize import untie_config  # quantize imports the checkpoint package
+
+    float_head = type(head) is nn.Linear
+    skeleton = embedding.weight.is_meta or (float_head and head.weight.is_meta)
     keys = [where[id(head)] + ".weight", where[id(embedding)] + ".weight"]
     present = [key for key in keys if key in state]
+    if float_head and not skeleton and head.weight is not embedding.weight:
+        untie_config(config)  # a live model the flag calls tied and that is not: it stays as it is
+        return
     if len(present) == 2:
         first, second = state[keys[0]], state[keys[1]]
         if first.dtype != second.dtype or first.shape != second.shape or not torch.equal(first, second):
-            from qfp8.quantize import untie_config  # quantize imports the checkpoint package
-
             untie_config(config)
-            warnings.warn(
-                f"load: the config ties {keys[0]} to {keys[1]} (tie_word_embeddings), but the state holds two "
-                "different tensors under those names: they are loaded as they are, not tied (as transformers "
-                "does); tie_word_embeddings is now false",
-                stacklevel=3,
-            )
         return
-    if type(head) is not nn.Linear or len(present) != 1:
+    if not float_head or len(present) != 1:
         return
-    # Tied for real: some classes set the flag and tie nothing (BigBirdPegasusForCausalLM). A skeleton built
-    # on meta has its ties undone (accelerate's empty weights): tie_weights shows what the model ties.
-    with contextlib.suppress(Exception):
-        model.tie_weights()
+    # A skeleton built on meta has its ties undone (accelerate's empty weights): tie_weights shows what the
+    # model ties (BigBirdPegasusForCausalLM sets the flag and ties nothing).
+    if skeleton:
+        with contextlib.suppress(Exception):
+            model.tie_weights()
     if head.weight is embedding.weight:
         state[keys[1 - keys.index(present[0])]] = state[present[0]]
 

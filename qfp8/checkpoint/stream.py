@@ -81,6 +81,7 @@ from qfp8.quantize import (
     other_kinds_clause,
     other_weight_kinds,
     tied_float_holders,
+    tied_head_note,
     unmatched_exclude_notes,
     untie_problem,
 )
@@ -367,6 +368,8 @@ def stream_quantize(
             else:
                 tied_head, tied_embedding = head, embedding
                 skipped.update(keys[1:])  # stored twice (equal): written once, as the head's rows
+                if exclude and not excluded_by(head, exclude):  # a bare --exclude asks for everything
+                    warnings.warn(tied_head_note(head, embedding, "qfp8 quantize", "--exclude"), stacklevel=2)
     for name in linears:
         stored = plan.tensors.get(weight_keys[name])
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)

@@ -297,6 +297,15 @@ def test_stream_ties_a_table_stored_under_either_or_both_names(tiny, tmp_path, s
     assert all(torch.equal(streamed[k].view(torch.uint8), v.view(torch.uint8)) for k, v in in_memory.items())
 
 
+def test_stream_warns_when_your_patterns_leave_a_tied_head_in(tiny, tmp_path):
+    tied_source(tiny, tmp_path / "float", ["model.embed_tokens.weight"])
+    with pytest.warns(UserWarning, match=r"'lm_head' and its tied embedding 'model.embed_tokens' are quantized"):
+        code = main(
+            ["quantize", str(tmp_path / "float"), str(tmp_path / "q"), "--no-progress", "--exclude", "*.down_proj"]
+        )
+    assert code == 0 and "qfp8_tied_embeddings" in json.loads((tmp_path / "q" / "config.json").read_text())
+
+
 def test_stream_of_two_different_tables_under_the_tied_names_unties_them(tiny, tmp_path):
     """transformers does not tie a checkpoint's two different tables either: the head is quantized from its own."""
     source = tmp_path / "float"

@@ -5,6 +5,7 @@ import io
 import json
 import math
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -395,7 +396,7 @@ def test_a_partly_cast_model_saves_and_reloads_its_table_dtype(tmp_path):
 
 def test_a_config_that_ties_but_a_model_that_does_not_is_loaded_untied():
     """Two different tables under the tied names: transformers leaves them untied, and so does qfp8 (it had
-    tied them, silently, or failed on a quantized head)."""
+    tied them, silently, or failed on a quantized head). The flag, which says otherwise, is cleared."""
     for exclude in (("lm_head",), ()):
         model = tied_llama()
         model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach() * 1.5)  # the flag still says tied
@@ -404,7 +405,8 @@ def test_a_config_that_ties_but_a_model_that_does_not_is_loaded_untied():
         target = tied_llama(seed=3)
         target.lm_head.weight = nn.Parameter(target.lm_head.weight.detach().clone())
         qfp8.quantize(target, exclude=exclude)
-        with pytest.warns(UserWarning, match="two different tensors under those names: they are loaded as they are"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # as transformers, silently
             qfp8.load_state_dict(target, state)
         assert target.lm_head.weight is not target.model.embed_tokens.weight
         assert target.config.tie_word_embeddings is False
@@ -439,3 +441,24 @@ def test_a_tied_output_layer_not_named_lm_head_stays_float_by_default():
         qfp8.quantize(copy.deepcopy(model))
     qfp8.quantize(model, exclude=())
     assert isinstance(model.get_input_embeddings(), QEmbedding)
+
+
+# ------------------------------------------------- found by the last audit
+def test_your_patterns_that_leave_a_tied_head_in_warn_once():
+    model = tied_llama()
+    with pytest.warns(UserWarning, match=r"'lm_head' and its tied embedding 'model.embed_tokens' are quantized"):
+        qfp8.quantize(model, exclude=("*.mlp.down_proj",))
+    assert isinstance(model.get_input_embeddings(), QEmbedding)
+
+
+def test_a_partial_load_keeps_an_untied_model_untied_whatever_its_flag_says():
+    """T5 v1.1 (flan-t5) has its own lm_head while transformers 5 sets its tie flag: a partial non-strict load
+    keeps both tensors (it had tied them, one overwriting the other)."""
+    model = tied_llama()
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach() * 0.5)
+    qfp8.quantize(model)
+    embedding, head = model.model.embed_tokens.weight.clone(), model.lm_head.weight.clone()
+    state = {key: value for key, value in model.state_dict().items() if key != "model.embed_tokens.weight"}
+    qfp8.load_state_dict(model, state, strict=False)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, embedding) and torch.equal(model.lm_head.weight, head)
