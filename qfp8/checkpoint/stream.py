@@ -74,6 +74,7 @@ from qfp8.nn.experts import find_fused_experts, scheme_reason
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.quantize import (
     DEFAULT_EXCLUDE,
+    DEFAULT_KEEPS_TIED,
     KV_CACHE_DTYPES,
     exclude_patterns,
     excluded_by,
@@ -362,7 +363,7 @@ def stream_quantize(
             if why is None and (pattern := excluded_by(embedding, exclude)):
                 why = f"excluded by {by} {pattern}"
             elif why is None and not user_patterns:
-                why = "the default --exclude keeps a tied output layer float, as it keeps lm_head"
+                why = DEFAULT_KEEPS_TIED.replace("default exclude", "default --exclude")
             if why is not None:
                 reasons[head] = f"tied to {embedding} ({why})"
             else:
