@@ -477,6 +477,20 @@ def stream_quantize(
             return calibrated[key]
         return quantize_rows(plan.load(weight_key(module), mmap=False), take_scale(module), scheme)
 
+    # A tied head's FP8 weight serves two tensors (the head, and the embedding as its dequantized rows): it is
+    # quantized once and kept until both are written, not read and quantized again for each.
+    tied_fp8: list = []  # [codes, scale, writes left]
+
+    def tied_head_fp8() -> tuple[torch.Tensor, torch.Tensor]:
+        if not tied_fp8:
+            scale = scale_of(tied_head)  # before fp8_weight takes it
+            tied_fp8.extend([fp8_weight(tied_head), scale, 2])
+        codes, scale = tied_fp8[0], tied_fp8[1]
+        tied_fp8[2] -= 1
+        if tied_fp8[2] == 0:
+            tied_fp8.clear()
+        return codes, scale
+
     for key, stored in plan.tensors.items():
         info = stored.file.info(stored.name)
         module = key[: -len(".weight")] if key.endswith(".weight") else None
@@ -490,13 +504,20 @@ def stream_quantize(
                     embedding_key,
                     info.dtype,
                     info.shape,
-                    lambda d=info.dtype: dequantize_rows(fp8_weight(tied_head), scale_of(tied_head), scheme, d),
+                    lambda d=info.dtype: dequantize_rows(*tied_head_fp8(), scheme, d),
                 )
             )
             module = tied_head
         if module in quantized:
             n, k = info.shape
-            out.append(PlannedTensor(module + ".weight", scheme.weight_dtype, (n, k), lambda m=module: fp8_weight(m)))
+            out.append(
+                PlannedTensor(
+                    module + ".weight",
+                    scheme.weight_dtype,
+                    (n, k),
+                    lambda m=module: tied_head_fp8()[0] if m == tied_head else fp8_weight(m),
+                )
+            )
             shape = formats.weight_scale_shape((n, k), scheme.weight_scale, scheme.block_size)
             out.append(PlannedTensor(module + ".weight_scale", torch.float32, shape, lambda m=module: scale_of(m)))
             if module + ".input_scale" in calibrated:
