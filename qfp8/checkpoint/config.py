@@ -153,14 +153,26 @@ def build_quantization_config(
     ignored: list[str],
     kv_cache_dtype: torch.dtype | None,
     kv_cache_dynamic: bool = False,
+    model_names: dict[str, str] | None = None,
 ) -> dict:
     """The ``quantization_config`` of a model whose quantized linears are ``schemes`` (name -> scheme).
 
     ``kv_cache_dynamic``: the FP8 KV cache has no calibrated scales (none are written).
 
+    ``model_names``: checkpoint module name -> the module's name in the model transformers builds, where the two
+    differ (Llava: ``language_model.lm_head`` is the model's ``lm_head``). compressed-tensors under transformers 5
+    matches ``ignore`` and the targets against the model's names, vLLM and older transformers against the
+    checkpoint's: both are listed. A layer of ``ignore`` named only by its checkpoint name was quantized by
+    transformers 5 with an uninitialised scale (NaN logits for a Llava with ``lm_head`` kept in float).
+
     ``quant_method`` is ``"compressed-tensors"``; when :func:`qfp8_only_reasons` finds something there is no
     ``quant_method`` but ``qfp8_method: "qfp8"`` (see the module docstring).
     """
+    model_names = model_names or {}
+
+    def both(names: list[str]) -> list[str]:
+        return sorted({*names, *(model_names[n] for n in names if n in model_names)})
+
     by_scheme: dict[QuantizationScheme, list[str]] = {}
     for name, scheme in schemes.items():
         by_scheme.setdefault(scheme, []).append(name)
@@ -168,14 +180,14 @@ def build_quantization_config(
     if len(by_scheme) == 1:
         groups = {"group_0": scheme_to_group(schemes_of["group_0"], ["Linear"])}
     else:
-        groups = {name: scheme_to_group(scheme, by_scheme[scheme]) for name, scheme in schemes_of.items()}
+        groups = {name: scheme_to_group(scheme, both(by_scheme[scheme])) for name, scheme in schemes_of.items()}
     qfp8_only = bool(qfp8_only_reasons(schemes, kv_cache_dtype))
     config = {
         QFP8_METHOD_KEY if qfp8_only else "quant_method": QFP8_METHOD if qfp8_only else QUANT_METHOD,
         "format": FLOAT_FORMAT,
         "quantization_status": "compressed",
         "config_groups": groups,
-        "ignore": sorted(ignored),
+        "ignore": both(ignored),
         "kv_cache_scheme": kv_cache_scheme(kv_cache_dtype, kv_cache_dynamic),
         "global_compression_ratio": None,
         "sparsity_config": {},

@@ -156,21 +156,43 @@ class ModelLinears(NamedTuple):
     tied: tuple[str, str, str | None] | None = None
     # each Parameter held under several names (BERT's tied cls.predictions.bias): checkpoint name -> the others
     shared: dict[str, list[str]] | None = None
+    # checkpoint module name -> the model's, where they differ (see qconfig.build_quantization_config)
+    model_names: dict[str, str] | None = None
 
 
-def _linear_names(config_dir: Path) -> ModelLinears:
-    """The model's ``nn.Linear`` modules and fused experts, from a meta-device build of its class."""
+class _StoredNames:
+    """Model names -> the names ``stored`` (a checkpoint's tensor names) holds them under: transformers' checkpoint
+    names (:class:`CheckpointNames`), or the model's own where the checkpoint uses those (a Llava saved with
+    ``model.language_model.*`` names, which transformers 5 also loads)."""
+
+    def __init__(self, names: CheckpointNames, stored: set[str]):
+        self.names, self.stored = names, stored
+
+    def to_checkpoint(self, name: str) -> str:
+        renamed = self.names.to_checkpoint(name)
+        return name if renamed not in self.stored and name in self.stored else renamed
+
+    def module(self, name: str) -> str:
+        return self.to_checkpoint(name + ".weight").removesuffix(".weight")
+
+
+def _linear_names(config_dir: Path, stored: set[str]) -> ModelLinears:
+    """The model's ``nn.Linear`` modules and fused experts, from a meta-device build of its class (``stored``:
+    the checkpoint's tensor names)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(config_dir)
     with torch.device("meta"):
         model = build_model(transformers, config, bare_fallback=True)
     names = CheckpointNames(model)
-    linears = [
-        names.to_checkpoint(name + ".weight")[: -len(".weight")]
-        for name, m in model.named_modules(remove_duplicate=False)
-        if isinstance(m, torch.nn.Linear)
-    ]
+    in_checkpoint = _StoredNames(names, stored)
+    model_names = {}
+    linears = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, torch.nn.Linear):
+            linears.append(in_checkpoint.module(name))
+            if linears[-1] != name:
+                model_names[linears[-1]] = name
     parts = {}
     fused = find_fused_experts(model)
     for item in fused:
@@ -179,12 +201,13 @@ def _linear_names(config_dir: Path) -> ModelLinears:
     others = other_weight_kinds(model, {id(item.module._parameters[item.attr]) for item in fused})
     holders: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        holders.setdefault(id(param), []).append(names.to_checkpoint(name))
+        holders.setdefault(id(param), []).append(in_checkpoint.to_checkpoint(name))
     shared = {name: [n for n in group if n != name] for group in holders.values() if len(group) > 1 for name in group}
-    return ModelLinears(linears, parts, type(model).__name__, others, _tied_head(model, names), shared)
+    tied = _tied_head(model, in_checkpoint)
+    return ModelLinears(linears, parts, type(model).__name__, others, tied, shared, model_names)
 
 
-def _tied_head(model: torch.nn.Module, names: CheckpointNames) -> tuple[str, str, str | None] | None:
+def _tied_head(model: torch.nn.Module, names: _StoredNames) -> tuple[str, str, str | None] | None:
     """(head, embedding, why not) when the model's output head shares its weight with modules kept in float
     (its input embedding): their checkpoint names, and why ``qfp8.quantize`` would keep the head float rather
     than tie the embedding to it as a QEmbedding (None: it would; T5's table, held by three embeddings, and
@@ -199,9 +222,7 @@ def _tied_head(model: torch.nn.Module, names: CheckpointNames) -> tuple[str, str
     if not others:
         return None
     found = {id(m): name for name, m in model.named_modules()}
-    head_name, embedding_name = (
-        names.to_checkpoint(n + ".weight").removesuffix(".weight") for n in (found[id(head)], others[0])
-    )
+    head_name, embedding_name = (names.module(n) for n in (found[id(head)], others[0]))
     return head_name, embedding_name, untie_problem(dict(model.named_modules(remove_duplicate=False)), others, ())
 
 
@@ -323,7 +344,7 @@ def stream_quantize(
             checkpoint.config.get("vocab_size") or sys.maxsize,
             checkpoint.config.get("max_position_embeddings"),
         )
-    found = _linear_names(checkpoint.directory)
+    found = _linear_names(checkpoint.directory, set(plan.tensors))
     linears, expert_parts = found.linears, found.expert_parts
     user_patterns = exclude is not DEFAULT_EXCLUDE
     exclude = exclude_patterns(exclude)
@@ -540,7 +561,9 @@ def stream_quantize(
             out.append(PlannedTensor(key, info.dtype, info.shape, lambda source=source: plan.load(source, mmap=False)))
 
     config = dict(checkpoint.config)
-    config["quantization_config"] = qconfig.build_quantization_config(quantized, ignored, kv_dtype)
+    config["quantization_config"] = qconfig.build_quantization_config(
+        quantized, ignored, kv_dtype, model_names=found.model_names
+    )
     if tied_head in quantized or untied:
         _untie(config)
     if tied_head in quantized:

@@ -241,7 +241,11 @@ def model_quantization_config(model: nn.Module, layers: dict[str, qconfig.Layer]
     if not schemes:
         raise ValueError("save_pretrained: the model has no QLinear; call qfp8.quantize(model, ...) first")
     kv_dtype = getattr(model, "qfp8_kv_cache_dtype", None)
-    return qconfig.build_quantization_config(schemes, ignored, kv_dtype, kv_dtype is not None and not _kv_scales(model))
+    names = CheckpointNames(model)
+    model_names = {name: names.to_model(name) for name in layers if names.to_model(name) != name}
+    return qconfig.build_quantization_config(
+        schemes, ignored, kv_dtype, kv_dtype is not None and not _kv_scales(model), model_names
+    )
 
 
 def _kv_scales(model: nn.Module) -> bool:

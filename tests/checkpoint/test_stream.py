@@ -118,7 +118,7 @@ def test_stream_peak_rss_is_bounded_by_largest_tensor(tiny, tmp_path):
         import json, resource, sys
         from qfp8.checkpoint import stream, readers
         import transformers, torch  # imported before the baseline
-        stream._linear_names(readers.resolve({str(source)!r}))
+        stream._linear_names(readers.resolve({str(source)!r}), set())
         def rss(field):
             for line in open("/proc/self/status"):
                 if line.startswith(field):

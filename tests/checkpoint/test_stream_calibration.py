@@ -321,7 +321,7 @@ def test_calibrated_stream_peak_rss_is_one_layer(tiny, tmp_path):
         from qfp8.checkpoint import layerwise, stream, readers
         torch.set_num_threads(1)  # the machine is shared: two threads contend, one is faster here
         source = readers.resolve({str(source)!r})
-        stream._linear_names(source)
+        stream._linear_names(source, set())
         layerwise._meta_model(source, torch.float32)  # imports done before the baseline
         def rss(field):
             for line in open("/proc/self/status"):
