@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -480,12 +481,46 @@ def assign_state(
         if isinstance(module, QEmbedding):
             module.check_loaded()  # a loaded table must be the rows of the head it reads
     missing = sorted(set(result.missing_keys) & set(still_meta)) or still_meta
+    if plan is not None:
+        missing = _initialize_unsaved(model, missing)
     if missing:
         source = f"{plan.directory}" if plan is not None else "the state dict"
         raise ValueError(
             f"{source} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:5])}"
             + (" ..." if len(missing) > 5 else "")
         )
+
+
+def _initialize_unsaved(model: nn.Module, missing: list[str]) -> list[str]:
+    """Initializes, as transformers does, the tensors of ``missing`` that the model's class computes rather than
+    stores (its ``_keys_to_ignore_on_load_missing``: Marian's sinusoidal position tables, which its
+    ``save_pretrained`` leaves out); returns the rest. Only a module whose own tensors are all missing is
+    initialized, so that ``_init_weights`` overwrites nothing loaded."""
+    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None) or []
+    init = getattr(model, "_init_weights", None)
+    if not patterns or init is None:
+        return missing
+    computed = [name for name in missing if any(re.search(pattern, name) for pattern in patterns)]
+    owners: dict[str, list[str]] = {}
+    for name in computed:
+        owner, _, leaf = name.rpartition(".")
+        owners.setdefault(owner, []).append(leaf)
+    done = set()
+    for owner, leaves in owners.items():
+        module = model.get_submodule(owner)
+        own = {**module._parameters, **module._buffers}
+        if set(leaves) != {leaf for leaf, tensor in own.items() if tensor is not None}:
+            continue
+        for leaf in leaves:
+            tensor = own[leaf]
+            empty = torch.empty(tensor.shape, dtype=tensor.dtype)
+            if leaf in module._parameters:
+                module._parameters[leaf] = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+            else:
+                module._buffers[leaf] = empty
+        init(module)
+        done.update(f"{owner}.{leaf}" if owner else leaf for leaf in leaves)
+    return [name for name in missing if name not in done]
 
 
 def _tie_loaded_embeddings(model: nn.Module, tied, directory: Path) -> None:

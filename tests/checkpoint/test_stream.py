@@ -363,3 +363,41 @@ def test_stream_keeps_a_head_float_where_quantize_does_and_writes_a_tied_bias(ti
         assert torch.equal(
             qfp8.from_pretrained(tmp_path / "bertq")(input_ids=ids).logits, in_memory(input_ids=ids).logits
         )
+
+
+def test_a_table_the_model_computes_and_transformers_does_not_save_is_computed_on_load(tiny, tmp_path):
+    """Marian's sinusoidal position tables are left out by transformers' save_pretrained (and so by the CLI's
+    output): from_pretrained computes them as transformers does, where it had refused the folder."""
+    import transformers
+
+    config = transformers.MarianConfig(
+        vocab_size=200, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=48,
+        pad_token_id=199, decoder_start_token_id=199,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(config).eval()
+    model.save_pretrained(tmp_path / "float")
+    assert not any("embed_positions" in key for key in tiny.tensors(tmp_path / "float"))
+    assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "fp8"), "--no-progress"]) == 0
+    loaded = qfp8.from_pretrained(tmp_path / "fp8")
+    for part in ("encoder", "decoder"):
+        table = getattr(loaded.model, part).embed_positions.weight
+        assert torch.equal(table, getattr(model.model, part).embed_positions.weight)
+    qfp8.quantize(model)
+    ids = torch.randint(0, 199, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(
+            loaded(input_ids=ids, decoder_input_ids=ids).logits, model(input_ids=ids, decoder_input_ids=ids).logits
+        )
+
+
+def test_a_missing_stored_tensor_is_still_refused(tiny, tmp_path):
+    source = tmp_path / "float"
+    tiny.model(torch.bfloat16).save_pretrained(source)
+    assert main(["quantize", str(source), str(tmp_path / "fp8"), "--no-progress"]) == 0
+    state = tiny.tensors(tmp_path / "fp8")
+    del state["model.norm.weight"]
+    save_file(state, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) the model needs: model.norm.weight"):
+        qfp8.from_pretrained(tmp_path / "fp8")
