@@ -833,12 +833,18 @@ def freeze(model: nn.Module) -> nn.Module:
         raise ValueError("freeze: the model has no QLinear; call qfp8.quantize(model, ...) first")
     check_calibrated(model, "freeze")
     for name, module in qlinears.items():
+        label = module.label or name
         if formats.first_nonfinite(module.qweight) is not None:  # packed or not: the same codes
             at = formats.first_nonfinite(module.canonical_weight())
             raise ValueError(
-                f"freeze: module {module.label or name!r}: FP8 weight {list(module.qweight.shape)} holds a NaN/Inf "
-                f"code at {list(at)}; the layer would output NaN"
+                f"freeze: module {label!r}: FP8 weight [{module.out_features}, {module.in_features}] holds a "
+                f"NaN/Inf code at {list(at)}; the layer would output NaN"
             )
+        for key in ("weight_scale", "input_scale"):  # edited in place after quantize, say: as load_state_dict does
+            value = module._buffers.get(key)
+            problem = None if value is None or value.device.type == "meta" else formats.scale_problem(value)
+            if problem is not None:
+                raise ValueError(f"freeze: module {label!r}: {key} {list(value.shape)} holds {problem}")
     for module in qlinears.values():
         module.pack_for_device()
     return model

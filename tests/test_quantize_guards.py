@@ -366,3 +366,38 @@ def test_linears_sharing_one_weight_are_warned_about():
         warnings.simplefilter("error")
         qfp8.quantize(shared)
     assert shared[0] is shared.again
+
+
+# ------------------------------------------------------ found by the stop-28 audit
+@pytest.mark.parametrize("key", ["weight_scale", "input_scale"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_freeze_refuses_a_scale_edited_to_a_value_the_kernels_cannot_use(key, bad):
+    """freeze refused a NaN FP8 code but packed a NaN, zero or negative scale: NaN, zero or negated outputs."""
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
+    qfp8.quantize(model, activations="static")
+    with qfp8.calibrate(model):
+        model(torch.randn(4, 16))
+    getattr(model[1], key)[0] = bad
+    with pytest.raises(ValueError, match=rf"freeze: module '1': {key} \[\d+(, 1)?\] holds 1 of \d+ value"):
+        qfp8.freeze(model)
+
+
+def test_freeze_names_the_weight_shape_not_the_packed_layout():
+    model = nn.Sequential(nn.Linear(4, 4))
+    qfp8.quantize(model)
+    model[0].qweight.view(torch.uint8).view(-1)[0] = 0x7F
+    with pytest.raises(ValueError, match=r"FP8 weight \[4, 4\] holds a NaN/Inf code"):
+        qfp8.freeze(model)
+
+
+def test_a_meta_input_gives_a_meta_output_on_every_path():
+    """The regular path (first call, a hook) asked torch for meta's autocast state, which raises."""
+    model = nn.Sequential(nn.Linear(65, 33))
+    qfp8.quantize(model)
+    x = torch.randn(2, 65, device="meta")
+    assert model(x).shape == (2, 33) and model(x).device.type == "meta"  # the first call: the regular path
+    handle = model[0].register_forward_hook(lambda *args: None)
+    assert model(x).shape == (2, 33)
+    handle.remove()
+    model.to("meta")
+    assert model(x).shape == (2, 33)

@@ -330,13 +330,13 @@ def _add_float(checkpoint: Checkpoint, plan: CheckpointPlan, key: str) -> None:
     if info.dtype in FP8_WEIGHT_DTYPES and plan.format == "float":
         why = "config.json has no quantization_config" if plan.config else "the folder has no config.json"
         raise ValueError(
-            f"{checkpoint.where[key].path.name}: {key} is an {info.dtype} {list(info.shape)} weight, but {why}: "
+            f"{checkpoint.where[key].path.name}: {key} is a {info.dtype} {list(info.shape)} weight, but {why}: "
             "qfp8 cannot tell how it is quantized (restore the config.json written with the checkpoint)"
         )
     if info.dtype in FP8_WEIGHT_DTYPES:
         module = _module_of(key, ".weight")
         raise ValueError(
-            f"{checkpoint.where[key].path.name}: {key} is an {info.dtype} {list(info.shape)} weight with no scale "
+            f"{checkpoint.where[key].path.name}: {key} is a {info.dtype} {list(info.shape)} weight with no scale "
             f"(missing {module}.weight_scale)"
         )
     plan.tensors[key] = checkpoint.stored(key)

@@ -606,7 +606,12 @@ class QLinear(nn.Module):
         if isinstance(x, Float8ActivationTensor):
             # Already FP8 (an nn.Linear took it through F.linear's handler): the subclass route multiplies it.
             return nn.functional.linear(x, self.weight, self.bias)
-        if isinstance(x, torch.Tensor) and x.dtype in formats.FLOAT_DTYPES and torch.is_autocast_enabled(x.device.type):
+        if (
+            isinstance(x, torch.Tensor)
+            and x.dtype in formats.FLOAT_DTYPES
+            and x.device.type != "meta"  # torch has no autocast state for meta (it raises)
+            and torch.is_autocast_enabled(x.device.type)
+        ):
             # As torch.autocast runs nn.Linear: the input goes in (and comes out) in the autocast dtype.
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if self.calibrating:

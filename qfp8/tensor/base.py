@@ -62,6 +62,15 @@ class Float8Tensor(torch.Tensor):
         payload = repr((type(self).__qualname__, tuple(self.shape), self.requires_grad, attributes, inner))
         return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
 
+    # ---- shared memory (torch.multiprocessing): a wrapper has no storage of its own (torch's method segfaults)
+    def share_memory_(self):
+        for name in self.tensor_data_names:
+            getattr(self, name).share_memory_()
+        return self
+
+    def is_shared(self) -> bool:
+        return all(getattr(self, name).is_shared() for name in self.tensor_data_names)
+
     # ---- op routing
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -69,6 +78,8 @@ class Float8Tensor(torch.Tensor):
         for klass in _subclasses_in(types):
             handler = klass._handlers.get(func)
             if handler is not None:
+                if kwargs and func in _POSITIONAL:
+                    args, kwargs = _positional(args, kwargs, _POSITIONAL[func])
                 return handler(func, types, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -138,6 +149,29 @@ def convert(tensor, func, args, kwargs, moved: Callable[[torch.device], torch.Te
     if device is None or device == tensor.qdata.device:
         return tensor
     return moved(device)
+
+
+# The leading parameters of the functions the handlers take, in order: an operand given by keyword
+# (F.linear(x, weight=w), torch.matmul(x, other=w.t())) reaches its handler as a positional argument.
+_POSITIONAL = {
+    torch.nn.functional.linear: ("input", "weight", "bias"),
+    torch.matmul: ("input", "other"),
+    torch.Tensor.matmul: ("self", "other"),
+    torch.Tensor.__matmul__: ("self", "other"),
+    torch.addmm: ("input", "mat1", "mat2"),
+    torch.bmm: ("input", "mat2"),
+    torch.nn.functional.embedding: ("input", "weight", "padding_idx", "max_norm"),
+}
+
+
+def _positional(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[tuple, dict]:
+    """``args`` extended with the keyword arguments among ``names`` (None for one skipped before a given one)."""
+    kwargs = dict(kwargs)
+    given = [i for i, name in enumerate(names) if i >= len(args) and name in kwargs]
+    if not given:
+        return args, kwargs
+    extra = [kwargs.pop(name, None) for name in names[len(args) : given[-1] + 1]]
+    return (*args, *extra), kwargs
 
 
 def _subclasses_in(types):

@@ -224,7 +224,12 @@ def _(func, types, args, kwargs):
 
 @Float8WeightTensor.implements(torch.Tensor.transpose, torch.transpose, aten.transpose.int)
 def _(func, types, args, kwargs):
-    w, dims = args[0], sorted(d % 2 for d in args[1:3])
+    w = args[0]
+    given = [*args[1:3], *(kwargs[k] for k in ("dim0", "dim1") if k in kwargs)]
+    for d in given:
+        if not -2 <= d < 2:
+            raise IndexError(f"Dimension out of range (expected to be in range of [-2, 1], but got {d})")
+    dims = sorted(d % 2 for d in given)
     if dims != [0, 1]:
         return w
     return w._with(transposed=not w.transposed)

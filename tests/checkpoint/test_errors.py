@@ -62,7 +62,7 @@ def test_missing_scale(saved):
     _rewrite(saved, lambda t: t.pop("model.layers.1.mlp.up_proj.weight_scale"))
     with pytest.raises(
         ValueError,
-        match=r"model\.layers\.1\.mlp\.up_proj\.weight is an torch\.float8_e4m3fn \[128, 64\] weight with no scale",
+        match=r"model\.layers\.1\.mlp\.up_proj\.weight is a torch\.float8_e4m3fn \[128, 64\] weight with no scale",
     ):
         qfp8.from_pretrained(saved)
 
@@ -251,7 +251,7 @@ def test_fp8_weights_without_a_config_name_the_missing_config(saved):
     (saved / "config.json").unlink()
     with pytest.raises(
         ValueError,
-        match=r"is an torch.float8_e4m3fn \[\d+, \d+\] weight, but the folder has no "
+        match=r"is a torch.float8_e4m3fn \[\d+, \d+\] weight, but the folder has no "
         r"config.json: qfp8 cannot tell how it is quantized",
     ):
         qfp8.from_pretrained(saved)

@@ -230,3 +230,42 @@ def test_addmm_with_an_fp8_activation_routes_like_matmul(weight):
     torch.testing.assert_close(torch.addmm(torch.ones(5), x, plain), expected)  # the dequantizing matmul route
     with pytest.raises(NotImplementedError, match="beta = alpha = 1"):
         torch.addmm(bias, x, w.t(), beta=2)
+
+
+# ------------------------------------------------------ found by the stop-28 audit
+def test_operands_given_by_keyword_route_as_positional_ones(weight):
+    """The handlers had read their operands by position: F.linear(x, weight=w) raised IndexError."""
+    w = Float8WeightTensor.from_float(weight.float())
+    x, bias = torch.randn(3, 80), torch.randn(48)
+    want = F.linear(x, w, bias)
+    assert formats.sqnr(x.double() @ weight.t() + bias.double(), want) > 25
+    assert torch.equal(F.linear(x, weight=w, bias=bias), want)
+    assert torch.equal(F.linear(input=x, weight=w, bias=bias), want)
+    assert torch.equal(F.linear(x, weight=w), F.linear(x, w))
+    assert torch.equal(torch.addmm(input=bias, mat1=x, mat2=w.t()), want)
+    assert torch.equal(torch.matmul(x, other=w.t()), F.linear(x, w))
+    assert torch.equal(x.matmul(other=w.t()), F.linear(x, w))
+    fp8 = Float8ActivationTensor.quantize(x)
+    assert torch.equal(F.linear(fp8, weight=w, bias=bias), F.linear(fp8, w, bias))
+    ids = torch.tensor([[3, 0], [47, 5]])
+    assert torch.equal(F.embedding(ids, weight=w), F.embedding(ids, w))
+
+
+def test_transpose_refuses_a_dimension_a_matrix_lacks(weight):
+    w = Float8WeightTensor.from_float(weight.float())
+    assert w.transpose(0, 1).transposed and w.transpose(-1, -2).transposed and not w.transpose(1, 1).transposed
+    with pytest.raises(IndexError, match="out of range"):
+        w.transpose(0, 5)
+
+
+def test_share_memory_shares_the_fp8_data_and_scales(weight):
+    """torch's Tensor.share_memory_ on the wrapper had crashed the process (no storage of its own)."""
+    w = Float8WeightTensor.from_float(weight.float())
+    x = torch.randn(3, 80)
+    want = F.linear(x, w)
+    assert not w.is_shared()
+    assert w.share_memory_() is w
+    assert w.is_shared() and w.qdata.is_shared() and w.scale.is_shared()
+    assert torch.equal(F.linear(x, w), want)
+    a = Float8ActivationTensor.quantize(x)
+    assert a.share_memory_().is_shared()
