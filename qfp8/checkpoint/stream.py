@@ -64,6 +64,7 @@ from qfp8.checkpoint.readers import open_checkpoint
 from qfp8.checkpoint.safetensors_io import PlannedTensor
 from qfp8.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
+    add_transformers4_keys,
     carried_files,
     check_output_directory,
     kv_rounding_file,
@@ -158,6 +159,7 @@ class ModelLinears(NamedTuple):
     shared: dict[str, list[str]] | None = None
     # checkpoint module name -> the model's, where they differ (see qconfig.build_quantization_config)
     model_names: dict[str, str] | None = None
+    config_class: type | None = None  # transformers' config class of the checkpoint
 
 
 class _StoredNames:
@@ -204,7 +206,7 @@ def _linear_names(config_dir: Path, stored: set[str]) -> ModelLinears:
         holders.setdefault(id(param), []).append(in_checkpoint.to_checkpoint(name))
     shared = {name: [n for n in group if n != name] for group in holders.values() if len(group) > 1 for name in group}
     tied = _tied_head(model, in_checkpoint)
-    return ModelLinears(linears, parts, type(model).__name__, others, tied, shared, model_names)
+    return ModelLinears(linears, parts, type(model).__name__, others, tied, shared, model_names, type(config))
 
 
 def _tied_head(model: torch.nn.Module, names: _StoredNames) -> tuple[str, str, str | None] | None:
@@ -568,6 +570,11 @@ def stream_quantize(
         _untie(config)
     if tied_head in quantized:
         config[qconfig.TIED_EMBEDDINGS_KEY] = {tied_embedding: tied_head}
+    # As qfp8.save_pretrained writes: the class built (a folder converted from GGUF has none) and the keys
+    # transformers 4 (vLLM) reads where transformers 5 wrote others (rope_theta: see add_transformers4_keys).
+    if config.get("model_type") and not config.get("architectures"):
+        config["architectures"] = [found.model_name]
+    add_transformers4_keys(found.config_class, config)
     bar = _progress(sum(t.nbytes for t in out), progress)
     try:
         with tempfile.TemporaryDirectory() as scratch:

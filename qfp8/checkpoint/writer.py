@@ -414,7 +414,7 @@ def model_config_dict(model: nn.Module) -> dict:
     tied = tied_embeddings(model)
     if tied:
         as_dict[qconfig.TIED_EMBEDDINGS_KEY] = tied
-    _add_transformers4_keys(config, as_dict)
+    add_transformers4_keys(type(config), as_dict)
     return as_dict
 
 
@@ -444,8 +444,9 @@ def _output_embeddings_tied(model: nn.Module) -> bool:
     return isinstance(head, nn.Linear) and head.weight is embedding.weight
 
 
-def _add_transformers4_keys(config, as_dict: dict) -> None:
-    """Adds the keys transformers 4 reads where transformers 5 writes others, with the same values.
+def add_transformers4_keys(config_class: type, as_dict: dict) -> None:
+    """Adds the keys transformers 4 reads where transformers 5 writes others, with the same values
+    (``config_class``: the transformers config class of ``as_dict``).
 
     vLLM runs on transformers 4, whose config classes fill a missing key with
     their default: without ``rope_theta`` a Llama-3 checkpoint would run with
@@ -454,7 +455,6 @@ def _add_transformers4_keys(config, as_dict: dict) -> None:
     the RoPE keys are added only when transformers 5 reads the file back to
     the same ``rope_parameters`` (some per-layer-type layouts it would not).
     """
-    config_class = type(config)
     rope = as_dict.get("rope_parameters")
     added: dict = {}
     if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):  # one set per layer type (Gemma 3)

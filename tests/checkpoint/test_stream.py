@@ -401,3 +401,23 @@ def test_a_missing_stored_tensor_is_still_refused(tiny, tmp_path):
     save_file(state, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) the model needs: model.norm.weight"):
         qfp8.from_pretrained(tmp_path / "fp8")
+
+
+def test_stream_writes_the_config_keys_save_pretrained_writes(tiny, tmp_path):
+    """The CLI copied the source's config.json: transformers 5 writes rope_parameters only, so vLLM on
+    transformers 4 would have run this Llama-3-style model with RoPE base 10000. A folder without architectures
+    (converted from GGUF) now gets the class built, as qfp8.save_pretrained writes."""
+    model = tiny.model(torch.bfloat16, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    model.save_pretrained(tmp_path / "float")
+    source = json.loads((tmp_path / "float" / "config.json").read_text())
+    assert "rope_theta" not in source
+    del source["architectures"]
+    (tmp_path / "float" / "config.json").write_text(json.dumps(source))
+    assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "fp8"), "--no-progress"]) == 0
+    written = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path / "memory")
+    in_memory = json.loads((tmp_path / "memory" / "config.json").read_text())
+    for key in ("rope_theta", "rope_scaling", "rope_parameters", "architectures", "quantization_config"):
+        assert written[key] == in_memory[key], key
+    assert written["rope_theta"] == 500000.0 and written["architectures"] == ["LlamaForCausalLM"]
