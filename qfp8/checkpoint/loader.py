@@ -760,13 +760,24 @@ def _compute_dtype(dtype, config_dtype) -> torch.dtype:
     return named
 
 
-def from_pretrained(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+def from_pretrained(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    torch_dtype: torch.dtype | None = None,
+):
     """Loads a quantized checkpoint (qfp8's, compressed-tensors, vLLM/AutoFP8 ``fp8``, block ``fp8``, quanto).
 
     ``path`` is a folder or a Hub repo id (resolved through ``huggingface_hub``,
     ``HF_HUB_OFFLINE`` honoured). ``dtype`` is the dtype of the model's float
-    computation (default: the config's ``torch_dtype``).
+    computation (default: the config's ``torch_dtype``); ``torch_dtype`` is
+    another name for it, as transformers' ``from_pretrained`` takes both.
     """
+    if torch_dtype is not None:
+        if dtype is not None:
+            raise TypeError("from_pretrained: give dtype or torch_dtype, not both (they are one argument)")
+        dtype = torch_dtype
     checkpoint = open_checkpoint(path)
     plan = checkpoint.plan()
     if plan.format == "float":

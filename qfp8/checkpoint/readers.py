@@ -172,6 +172,13 @@ class Checkpoint:
 # -------------------------------------------------------------- discovery
 
 
+_GGUF_MESSAGE = (
+    "{what}; qfp8 reads safetensors checkpoints. Load it with transformers "
+    "(AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)), then qfp8.quantize(model) and "
+    "qfp8.save_pretrained(model, out)"
+)
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A local folder, or a Hugging Face Hub repo id resolved through its local cache rules."""
     local = Path(path)
@@ -180,6 +187,8 @@ def resolve(path: str | os.PathLike) -> Path:
     if local.is_file():
         if local.suffix in PICKLE_SUFFIXES:
             raise ValueError(refuse_pickle_message(local))
+        if local.suffix == ".gguf":
+            raise ValueError(_GGUF_MESSAGE.format(what=f"{local} is a GGUF file"))
         return local.parent
     text = str(path)
     if text.count("/") == 1 and not text.startswith((".", "/")):
@@ -230,6 +239,10 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
             if pickles:
                 raise ValueError(refuse_pickle_message(directory / pickles[0]))
+            ggufs = sorted(p.name for p in directory.iterdir() if p.suffix == ".gguf")
+            if ggufs:
+                what = f"{directory} holds a GGUF file ({ggufs[0]}) and no *.safetensors file"
+                raise ValueError(_GGUF_MESSAGE.format(what=what))
             raise FileNotFoundError(f"{directory}: no *.safetensors file")
         weight_map = None
     files = [SafetensorsFile(directory / name) for name in names]

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import qfp8
+from qfp8.cli import main
 
 
 @pytest.fixture
@@ -34,6 +35,18 @@ def test_pickle_files_are_refused(saved, monkeypatch):
         qfp8.from_pretrained(saved)
     with pytest.raises(ValueError, match="refusing to load a pickle"):
         qfp8.from_pretrained(saved / "pytorch_model.bin")
+
+
+def test_a_gguf_file_is_refused_with_the_way_to_quantize_it(saved):
+    """It had said "no *.safetensors file", as if the folder were empty."""
+    (saved / "model.safetensors").unlink()
+    (saved / "model-Q8_0.gguf").write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(
+        ValueError, match=r"holds a GGUF file \(model-Q8_0\.gguf\) and no \*\.safetensors file; .*gguf_file"
+    ):
+        qfp8.from_pretrained(saved)
+    with pytest.raises(ValueError, match=r"model-Q8_0\.gguf is a GGUF file; qfp8 reads safetensors"):
+        main(["quantize", str(saved / "model-Q8_0.gguf"), str(saved / "out"), "--no-progress"])
 
 
 def test_truncated_file(saved):

@@ -415,6 +415,10 @@ def test_from_pretrained_dtype_casts_the_float_tensors(tiny, tmp_path, x):
     assert logits.dtype == torch.bfloat16
     assert formats.sqnr(reference, logits.float()) > 25  # bf16 rounding of the float tensors only
     assert qfp8.from_pretrained(tmp_path).model.embed_tokens.weight.dtype == torch.float32  # config's dtype
+    # transformers' other name for it, which users pass from habit
+    assert qfp8.from_pretrained(tmp_path, torch_dtype=torch.bfloat16).model.embed_tokens.weight.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="dtype or torch_dtype, not both"):
+        qfp8.from_pretrained(tmp_path, dtype=torch.bfloat16, torch_dtype=torch.float16)
 
 
 def test_load_state_dict_is_strict_as_torch_is(tiny, x):
