@@ -59,6 +59,11 @@ def parse_size(size: int | str) -> int:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(size))
     if not match or (match.group(2).upper() or "B") not in _SIZE_UNITS or float(match.group(1)) <= 0:
         raise ValueError(f"max_shard_size must be a positive size like '5GB' or an int of bytes, got {size!r}")
+    if not match.group(2) and float(match.group(1)) < 2**20:
+        # "50" on a command line: 50 bytes would write a shard per tensor; the user meant a unit.
+        raise ValueError(
+            f"max_shard_size {size!r} without a unit is {match.group(1)} bytes; give a unit, like '{match.group(1)}GB'"
+        )
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper() or "B"])
 
 

@@ -152,6 +152,8 @@ def test_bad_arguments(tiny, tmp_path):
     qfp8.quantize(model)
     with pytest.raises(ValueError, match="max_shard_size"):
         qfp8.save_pretrained(model, tmp_path, max_shard_size="lots")
+    with pytest.raises(ValueError, match=r"max_shard_size '50' without a unit is 50 bytes; give a unit, like '50GB'"):
+        qfp8.save_pretrained(model, tmp_path, max_shard_size="50")  # a command line's --max-shard-size 50
     with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
         qfp8.from_pretrained(tmp_path / "nowhere")
 
