@@ -40,7 +40,6 @@ otherwise valid checkpoint (the writers warn with it, ``qfp8 inspect`` prints it
 
 from __future__ import annotations
 
-import fnmatch
 import re
 
 import torch
@@ -54,6 +53,11 @@ QUANT_METHOD = "compressed-tensors"
 QFP8_METHOD = "qfp8"
 QFP8_METHOD_KEY = "qfp8_method"
 FLOAT_FORMAT = "float-quantized"
+# compressed-tensors formats whose FP8 weights are stored as they are: "naive-quantized" (what it infers for
+# weight-only FP8: its float compressor asks for input activations) holds the same bytes; "mixed-precision"
+# says each config group carries its own format.
+STORED_FP8_FORMATS = (FLOAT_FORMAT, "naive-quantized")
+MIXED_FORMAT = "mixed-precision"
 # Weight dtypes a compressed-tensors float checkpoint may hold: its readers take e4m3fn, and convert e4m3fnuz (exact
 # but for its smallest subnormals, see the module docstring).
 STANDARD_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -292,13 +296,13 @@ def matches(name: str, class_name: str, target: str) -> bool:
 
 
 def _match_rank(name: str, class_name: str, target: str) -> int | None:
-    """How specifically ``target`` names the module: 0 its name, 1 a ``re:`` pattern, 2 its class (or a glob);
-    None when it does not match."""
+    """How specifically ``target`` names the module: 0 its name, 1 a ``re:`` pattern, 2 its class; None when it
+    does not match. As compressed-tensors and vLLM match: no globs (``model.layers.*.mlp`` names nothing)."""
     if target.startswith("re:"):
         return 1 if re.match(target[3:], name) is not None else None
     if target == name:
         return 0
-    return 2 if target == class_name or fnmatch.fnmatchcase(name, target) else None
+    return 2 if target == class_name else None
 
 
 def matching_group(name: str, class_name: str, groups: dict) -> str | None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,8 @@ from qfp8.nn.scheme import QuantizationScheme
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 QUANTO_QMAP = "quanto_qmap.json"
+# The name optimum-quanto's README saves the map under, beside save_file(model.state_dict()): read as well.
+QUANTO_QMAP_NAMES = (QUANTO_QMAP, "quantization_map.json")
 FP8_WEIGHT_DTYPES = tuple(formats.FP8_DTYPES.values())
 # Tensors some writers keep that qfp8 rebuilds itself or does not use.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -117,6 +120,7 @@ class Checkpoint:
     files: list[SafetensorsFile]
     where: dict[str, SafetensorsFile]
     quanto_map: dict | None = None
+    quanto_map_name: str | None = None  # the file it came from
 
     @property
     def quantization_config(self) -> dict | None:
@@ -134,10 +138,10 @@ class Checkpoint:
             method = qconfig.QFP8_METHOD
         if method in (qconfig.QUANT_METHOD, qconfig.QFP8_METHOD):
             fmt = qc.get("format")
-            if fmt != qconfig.FLOAT_FORMAT:
+            if fmt not in (*qconfig.STORED_FP8_FORMATS, qconfig.MIXED_FORMAT):
                 raise ValueError(
                     f"{self.directory / 'config.json'}: {method} format {fmt!r} is not FP8; qfp8 reads "
-                    f"{qconfig.FLOAT_FORMAT!r}"
+                    f"{' and '.join(map(repr, qconfig.STORED_FP8_FORMATS))} (or {qconfig.MIXED_FORMAT!r} groups of them)"
                 )
             return method
         if method == "fp8":
@@ -256,10 +260,17 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         for key, name in weight_map.items():
             if key not in where or where[key].path.name != name:
                 raise ValueError(f"{index_path}: tensor {key!r} is mapped to {name}, which does not hold it")
-    quanto_map = None
-    if (directory / QUANTO_QMAP).is_file():
-        quanto_map = json.loads((directory / QUANTO_QMAP).read_text())
-    return Checkpoint(directory, config, files, where, quanto_map)
+    quanto_map = quanto_map_name = None
+    for name in QUANTO_QMAP_NAMES:
+        if (directory / name).is_file():
+            try:
+                quanto_map, quanto_map_name = json.loads((directory / name).read_text()), name
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{directory / name}: not valid JSON: {error}") from None
+            if not isinstance(quanto_map, dict):
+                raise ValueError(f"{directory / name}: an optimum-quanto map must be an object of module names")
+            break
+    return Checkpoint(directory, config, files, where, quanto_map, quanto_map_name)
 
 
 # ---------------------------------------------------------------- helpers
@@ -373,6 +384,12 @@ def _read_compressed_tensors(checkpoint: Checkpoint, plan: CheckpointPlan) -> No
             raise ValueError(f"{where}: module {module!r} has a weight_scale but matches no config_group's targets")
         if module + ".weight" not in checkpoint.where:
             raise ValueError(f"{checkpoint.where[module + '.weight_scale'].path.name}: {module}.weight is missing")
+        group_format = groups[group_name].get("format") or qc.get("format")
+        if group_format not in qconfig.STORED_FP8_FORMATS:
+            raise ValueError(
+                f"{where}: config_groups.{group_name} (module {module!r}) has format {group_format!r}; qfp8 reads "
+                f"{' and '.join(map(repr, qconfig.STORED_FP8_FORMATS))} FP8 weights"
+            )
         dtype = _check_weight(checkpoint, module, module + ".weight")
         scheme = qconfig.group_to_scheme(
             groups[group_name], f"{where}: config_groups.{group_name}", dtype, token_mse=group_name in token_mse
@@ -417,6 +434,14 @@ def _read_fp8(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
                 f"{where}: weight_block_size with activation_scheme 'static' is not a scheme qfp8 (or vLLM) runs: "
                 "block-scaled FP8 checkpoints quantize activations dynamically in 1 x 128 groups"
             )
+        if block[0] != formats.ACTIVATION_GROUP_SIZE:
+            warnings.warn(
+                f"{where}: weight_block_size {list(block)}: vLLM quantizes this checkpoint's activations in "
+                f"1 x {block[0]} groups (block_n), qfp8 in 1 x {formats.ACTIVATION_GROUP_SIZE} groups: the outputs "
+                "differ by that rounding (the weights are read exactly)",
+                UserWarning,
+                stacklevel=4,
+            )
     elif any(key.endswith(".weight_scale_inv") for key in checkpoint.where):
         raise ValueError(
             f"{where}: the checkpoint holds block-wise weight_scale_inv tensors but its quantization_config has no "
@@ -455,7 +480,9 @@ def _read_fp8(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
             plan.kv_cache_dtype = torch.float8_e4m3fn
             continue
         _add_float(checkpoint, plan, key)
-    if qc.get("kv_cache_scheme"):
+    if qc.get("kv_cache_scheme") == "static":  # AutoFP8's word for static per-tensor scales (output_scale above)
+        plan.kv_cache_dtype = torch.float8_e4m3fn
+    elif qc.get("kv_cache_scheme"):
         plan.kv_cache_dtype = qconfig.kv_cache_dtype(qc, where)
 
 
@@ -468,7 +495,7 @@ QUANTO_WEIGHT_TYPES = {
 
 
 def _read_quanto(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
-    where = str(checkpoint.directory / QUANTO_QMAP)
+    where = str(checkpoint.directory / checkpoint.quanto_map_name)
     for module, entry in checkpoint.quanto_map.items():
         weights, activations = entry.get("weights"), entry.get("activations", "none")
         if weights not in QUANTO_WEIGHT_TYPES:

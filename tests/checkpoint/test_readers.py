@@ -251,3 +251,127 @@ def test_compressed_tensors_settings_qfp8_would_ignore_are_refused(tiny, tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         qfp8.from_pretrained(tmp_path)
+
+
+# ------------------------------------------------------ found by the stop-28 audit (real producers' output)
+def test_compressed_tensors_inferred_formats_of_fp8_weights_load(tiny, tmp_path, x):
+    """compressed-tensors, left to infer the format, labels FP8 weight-only 'naive-quantized' and a model with
+    W8A8 and weight-only groups 'mixed-precision' (each group with its own format): the same stored bytes,
+    which transformers loads and qfp8 had refused ("format 'naive-quantized' is not FP8")."""
+    ct = pytest.importorskip("compressed_tensors", reason="the formats come from the real library")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.quant_scheme import FP8, FP8_DYNAMIC
+
+    cases = {
+        "naive-quantized": {"g": dict(targets=["Linear"], weights=FP8_DYNAMIC["weights"])},
+        "mixed-precision": {
+            "a": dict(targets=["re:.*self_attn.*"], **FP8_DYNAMIC),
+            "b": dict(targets=["re:.*mlp.*"], weights=FP8["weights"]),
+        },
+    }
+    for expected_format, groups in cases.items():
+        model = tiny.model()
+        config = QuantizationConfig(config_groups=groups, ignore=["lm_head"])
+        apply_quantization_config(model, config)
+        for module in model.modules():
+            if hasattr(module, "weight_scale"):  # per channel, or per tensor (FP8's weights)
+                amax = module.weight.abs().amax(dim=-1, keepdim=True).float()
+                module.weight_scale.data = (amax if module.weight_scale.numel() > 1 else amax.amax()) / 448
+        compressor = ModelCompressor.from_pretrained_model(model)
+        compressor.compress_model(model)
+        folder = tmp_path / expected_format
+        model.save_pretrained(folder)
+        compressor.update_config(folder)
+        written = json.loads((folder / "config.json").read_text())["quantization_config"]
+        assert written["format"] == expected_format and ct is not None
+        loaded = qfp8.from_pretrained(folder)
+        attention, mlp = loaded.model.layers[0].self_attn.q_proj, loaded.model.layers[0].mlp.up_proj
+        assert attention.scheme.activations == ("dynamic" if expected_format == "mixed-precision" else None)
+        assert mlp.scheme.activations is None
+        assert mlp.scheme.weight_scale == ("tensor" if expected_format == "mixed-precision" else "channel")
+        with torch.no_grad():
+            assert formats.sqnr(tiny.model()(x).logits, loaded(x).logits) > 25
+
+
+def test_a_group_in_a_format_qfp8_cannot_read_is_named(tiny, tmp_path):
+    model = tiny.model()
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["format"] = "mixed-precision"
+    config["quantization_config"]["config_groups"]["group_0"]["format"] = "pack-quantized"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config_groups.group_0 \(module '.*'\) has format 'pack-quantized'"):
+        qfp8.from_pretrained(tmp_path)
+
+
+def test_an_ignore_entry_is_matched_as_compressed_tensors_matches_it(tiny, tmp_path, x):
+    """No globs: 'model.layers.*.mlp.down_proj' names no module for compressed-tensors or vLLM; qfp8 had matched
+    it as a glob and refused the folder, which transformers loads."""
+    model = tiny.model()
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["ignore"] += ["model.layers.*.mlp.down_proj"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert isinstance(loaded.model.layers[1].mlp.down_proj, QLinear)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+def test_autofp8_kv_cache_scheme_string_with_output_scales(tiny, tmp_path, x):
+    """AutoFP8's save_quantized_model writes kv_cache_scheme "static" (a string) beside 0-dim
+    k_proj.output_scale / v_proj.output_scale: refused before ("must be an object")."""
+    model = tiny.model()
+    tensors = dict(model.state_dict())
+    for name, linear in _linears(model).items():
+        q, scale = formats.quantize_weight(linear.weight, granularity="tensor")
+        tensors[name + ".weight"], tensors[name + ".weight_scale"] = q, scale.reshape(())
+        tensors[name + ".input_scale"] = torch.tensor(0.02)
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.k_proj.output_scale"] = torch.tensor(0.03 + i)
+        tensors[f"model.layers.{i}.self_attn.v_proj.output_scale"] = torch.tensor(0.04 + i)
+    _write_hf(model, tmp_path, tensors, {"quant_method": "fp8", "activation_scheme": "static",
+                                         "ignored_layers": ["lm_head"], "kv_cache_scheme": "static"})  # fmt: skip
+    loaded = qfp8.from_pretrained(tmp_path)
+    attention = loaded.model.layers[1].self_attn
+    assert attention.k_scale.item() == pytest.approx(1.03) and attention.v_scale.item() == pytest.approx(1.04)
+    assert loaded.qfp8_kv_cache_dtype == torch.float8_e4m3fn
+    with torch.no_grad():
+        assert torch.isfinite(loaded(x).logits).all()
+
+
+def test_optimum_quanto_readme_save_with_quantization_map_json(tiny, tmp_path, x):
+    """quanto's README saves save_file(model.state_dict()) beside quantization_map.json, not quanto_qmap.json."""
+    quanto = pytest.importorskip("optimum.quanto", reason="generates the checkpoint with the real library")
+    model = tiny.model()
+    quanto.quantize(model, weights=quanto.qfloat8, exclude="lm_head")
+    quanto.freeze(model)
+    with torch.no_grad():
+        theirs = model(x).logits
+    model.config.save_pretrained(tmp_path)
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        tmp_path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    (tmp_path / "quantization_map.json").write_text(json.dumps(quanto.quantization_map(model)))
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert loaded.qfp8_checkpoint_format == "quanto"
+    with torch.no_grad():
+        assert formats.sqnr(theirs, loaded(x).logits) > 40
+
+
+def test_block_fp8_with_blocks_other_than_128_warns_about_activation_groups(tiny, tmp_path):
+    """vLLM groups such a checkpoint's activations by block_n (1 x 32 here); qfp8 by 128."""
+    model = tiny.model()
+    tensors = dict(model.state_dict())
+    for name, linear in _linears(model).items():
+        q, scale = formats.quantize_weight(linear.weight, granularity="block", block_size=(32, 32))
+        tensors[name + ".weight"], tensors[name + ".weight_scale_inv"] = q, scale
+    _write_hf(model, tmp_path, tensors, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                         "weight_block_size": [32, 32]})  # fmt: skip
+    with pytest.warns(UserWarning, match=r"weight_block_size \[32, 32\]: vLLM quantizes .* 1 x 32 groups"):
+        qfp8.from_pretrained(tmp_path)
