@@ -247,7 +247,9 @@ def model_quantization_config(model: nn.Module, layers: dict[str, qconfig.Layer]
         raise ValueError("save_pretrained: the model has no QLinear; call qfp8.quantize(model, ...) first")
     kv_dtype = getattr(model, "qfp8_kv_cache_dtype", None)
     names = CheckpointNames(model)
+    modules = dict(model.named_modules())  # an expert part's renamed name is no module (its experts are fused)
     model_names = {name: names.to_model(name) for name in layers if names.to_model(name) != name}
+    model_names = {name: renamed for name, renamed in model_names.items() if renamed in modules}
     return qconfig.build_quantization_config(
         schemes, ignored, kv_dtype, kv_dtype is not None and not _kv_scales(model), model_names
     )
