@@ -15,6 +15,7 @@ from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.weight_norm import WeightNorm  # the hook class (torch.nn.utils.weight_norm names the function)
 
 from qfp8 import formats, rounding
+from qfp8.library import memory
 from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.nn.embedding import QEmbedding, untieable_reason
 from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_fp8_experts
@@ -591,15 +592,15 @@ def quantize(
     weights_of = {entry.name: item.module._parameters[item.attr] for entry, item in experts}
     for entry in report.quantized:
         weight = weights_of[entry.name] if entry.experts else modules[entry.name].weight
-        if not torch.isfinite(weight).all():
+        if formats.nonfinite_count(weight):
             raise ValueError(
                 f"module {entry.name!r}: weight {list(weight.shape)} holds NaN/Inf values, which FP8 cannot "
                 f"represent; fix the weight or pass exclude=[{entry.name!r}]"
             )
-        if weight.dtype == torch.float64 and not torch.isfinite(weight.detach().abs().amax().float()):
+        if weight.dtype == torch.float64 and not torch.isfinite((amax := formats.abs_max(weight)).float()):
             raise ValueError(
                 f"module {entry.name!r}: float64 weight {list(weight.shape)} holds values beyond float32's range "
-                f"(|w| up to {float(weight.detach().abs().amax()):.3g}), which its float32 scales cannot cover; "
+                f"(|w| up to {float(amax):.3g}), which its float32 scales cannot cover; "
                 f"fix the weight or pass exclude=[{entry.name!r}]"
             )
     for note in notes:
@@ -636,19 +637,13 @@ def quantize(
     model.qfp8_scheme = scheme
     if report.quantized:
         guard_transformers_save(model)
-    _return_freed_memory()
+        # The float tensors left, if mapped from a file (transformers' loading), would keep every page
+        # quantize read from it resident (see qfp8.library.memory).
+        memory.copy_out_of_file_mappings(model)
+    # glibc keeps freed heap memory: measured here, a bf16 model's process had stayed 78-162 MB above the
+    # quantized model's size.
+    memory.return_freed_memory()
     return QuantizeResult(outer, report)
-
-
-def _return_freed_memory() -> None:
-    """Gives the float weights' freed memory back to the system (glibc keeps freed heap memory otherwise:
-    measured here, a bf16 model's process stayed 78-162 MB above the quantized model's size)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 def _attention_implementation(model: nn.Module) -> str | None:

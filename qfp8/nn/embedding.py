@@ -18,6 +18,8 @@ that dequantized table (a checkpoint body any loader reads, with
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -32,7 +34,9 @@ from qfp8.tensor.weights import check_row_ids
 # differs by far more.
 LOADED_TOLERANCE = 2.0**-8
 LOADED_FLOOR = 2.0**-24  # fp16's subnormal step: where fp16's rounding is absolute, not relative
-_CHECK_ROWS = 4096  # rows dequantized at a time when checking a loaded table
+# Table values dequantized at a time (saving the table, checking a loaded one): their float32 temporaries stay
+# a few MB (4096 rows of a 2048-wide table had added ~100 MB each, 400 MB to a tied checkpoint's load).
+_CHUNK_VALUES = 1 << 20
 
 
 def untieable_reason(module: nn.Module) -> str | None:
@@ -93,34 +97,54 @@ class QEmbedding(nn.Module):
         check_row_ids(input, self.num_embeddings, f"module {self.name!r}")
         return self._rows(input.long(), self.dtype_of_rows.dtype)
 
-    def _rows(self, ids: torch.Tensor | range, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` (a tensor, or a range of rows made on the head's device) of the head's weight."""
+    @contextlib.contextmanager
+    def _head_buffers(self):
+        """The head's buffers, loaded for the duration when accelerate's offload keeps them elsewhere."""
         head = self.head
         hook = getattr(head, "_hf_hook", None)  # accelerate's offload: the head's weights load for its own calls
         offloaded = hook is not None and any(b is not None and b.is_meta for b in head._buffers.values())
         if offloaded:
             hook.pre_forward(head)
         try:
-            buffers = head._buffers
-            if isinstance(ids, range):
-                ids = torch.arange(ids.start, ids.stop, device=buffers["qweight"].device)
-            return dequantized_rows(
-                head.packing,
-                buffers["qweight"],
-                buffers["weight_scale"],
-                head.scheme.block_size,
-                ids,
-                head.out_features,
-                head.in_features,
-                dtype,
-            )
+            yield head._buffers
         finally:
             if offloaded:
                 hook.post_forward(head, None)
 
+    def _rows_of(self, buffers, ids: torch.Tensor | range, dtype: torch.dtype) -> torch.Tensor:
+        head = self.head
+        if isinstance(ids, range):
+            ids = torch.arange(ids.start, ids.stop, device=buffers["qweight"].device)
+        return dequantized_rows(
+            head.packing,
+            buffers["qweight"],
+            buffers["weight_scale"],
+            head.scheme.block_size,
+            ids,
+            head.out_features,
+            head.in_features,
+            dtype,
+        )
+
+    def _rows(self, ids: torch.Tensor | range, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (a tensor, or a range of rows made on the head's device) of the head's weight."""
+        with self._head_buffers() as buffers:
+            return self._rows_of(buffers, ids, dtype)
+
+    def _band_rows(self) -> int:
+        return max(1, _CHUNK_VALUES // max(self.embedding_dim, 1))
+
     def table(self) -> torch.Tensor:
-        """The whole dequantized ``[vocab, hidden]`` table, in this module's dtype."""
-        return self._rows(range(self.num_embeddings), self.dtype_of_rows.dtype)
+        """The whole dequantized ``[vocab, hidden]`` table, in this module's dtype, made a band of rows at a
+        time: the float32 products of all rows at once had peaked at 6.5x a bf16 table's bytes when saving."""
+        dtype = self.dtype_of_rows.dtype
+        with self._head_buffers() as buffers:
+            out = torch.empty(self.num_embeddings, self.embedding_dim, dtype=dtype, device=buffers["qweight"].device)
+            band = self._band_rows()
+            for start in range(0, self.num_embeddings, band):
+                stop = min(start + band, self.num_embeddings)
+                out[start:stop] = self._rows_of(buffers, range(start, stop), dtype)
+        return out
 
     # --------------------------------------------------------- state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -160,8 +184,9 @@ class QEmbedding(nn.Module):
         loaded, self._loaded = self._loaded, None
         if loaded is None or loaded.device.type == "meta" or self.head.qweight.device.type == "meta":
             return
-        for start in range(0, self.num_embeddings, _CHECK_ROWS):
-            rows = self._rows(range(start, min(start + _CHECK_ROWS, self.num_embeddings)), torch.float32)
+        band = self._band_rows()
+        for start in range(0, self.num_embeddings, band):
+            rows = self._rows(range(start, min(start + band, self.num_embeddings)), torch.float32)
             given = loaded[start : start + len(rows)].to(rows.device, torch.float32)
             # Within a bf16 copy's rounding, or an fp16 one's in its subnormal range; NaN is off too.
             off = ~((given - rows).abs() <= torch.clamp(LOADED_TOLERANCE * rows.abs(), min=LOADED_FLOOR))

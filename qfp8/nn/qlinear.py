@@ -287,16 +287,16 @@ class QLinear(nn.Module):
         """
         rounding.check_mode(accuracy)
         weight = weight.detach()
-        if not torch.isfinite(weight).all():
-            bad = int((~torch.isfinite(weight)).sum())
+        bad = formats.nonfinite_count(weight)  # in row bands: a whole-weight temporary is 0.5-1x its bytes
+        if bad:
             raise ValueError(
                 f"module {name!r}: weight {tuple(weight.shape)} holds {bad} NaN/Inf value(s); "
                 "FP8 cannot represent them. Fix or exclude this module (exclude=[...])."
             )
-        if weight.numel() and not torch.isfinite(weight.abs().amax().float()):
+        if weight.numel() and not torch.isfinite((amax := formats.abs_max(weight)).float()):
             raise ValueError(
                 f"module {name!r}: weight {tuple(weight.shape)} holds values beyond float32's range (|w| up to "
-                f"{float(weight.abs().amax()):.3g}), which its float32 scales cannot cover. Fix or exclude this "
+                f"{float(amax):.3g}), which its float32 scales cannot cover. Fix or exclude this "
                 "module (exclude=[...])."
             )
         out_features, in_features = weight.shape
