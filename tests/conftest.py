@@ -22,6 +22,28 @@ def sqnr(reference, approximation):
 
 
 @pytest.fixture
+def tiny_llava():
+    """A builder of tiny random Llavas (a CLIP tower over a Llama): ``tiny_llava(tie=False, layers=2)``, whose
+    transformers-5 module names differ from its checkpoint names."""
+    transformers = pytest.importorskip("transformers", reason="builds a transformers model")
+
+    def build(tie: bool = False, layers: int = 2, dtype: torch.dtype = torch.float32):
+        text = transformers.LlamaConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=tie,
+        )  # fmt: skip
+        vision = transformers.CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14,
+        )  # fmt: skip
+        config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=310)
+        torch.manual_seed(0)
+        return transformers.LlavaForConditionalGeneration(config).to(dtype).eval()
+
+    return build
+
+
+@pytest.fixture
 def rss_reader() -> str:
     """Python source of ``rss(field)``, a field of /proc/self/status in bytes (``"VmHWM:"``, ``"VmRSS:"``), to
     begin the script a memory test runs in a subprocess with."""

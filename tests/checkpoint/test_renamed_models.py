@@ -19,19 +19,6 @@ from qfp8 import formats
 transformers = pytest.importorskip("transformers", reason="these tests build transformers models")
 
 
-def tiny_llava(dtype=torch.float32):
-    text = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False,
-    )  # fmt: skip
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-    )
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=310)
-    torch.manual_seed(0)
-    return transformers.LlavaForConditionalGeneration(config).to(dtype).eval()
-
-
 def token_ids():
     return torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(3))
 
@@ -45,7 +32,7 @@ def quantization_config(folder):
     return json.loads((folder / "config.json").read_text())["quantization_config"]
 
 
-def test_a_float_lm_head_is_ignored_under_the_names_of_model_and_checkpoint(tmp_path):
+def test_a_float_lm_head_is_ignored_under_the_names_of_model_and_checkpoint(tiny_llava, tmp_path):
     """transformers 5 matches ``ignore`` against the model's names: with only the checkpoint's
     ``language_model.lm_head`` it quantized the float head with an uninitialised scale (NaN logits)."""
     pytest.importorskip("compressed_tensors", reason="transformers reads compressed-tensors through it")
@@ -61,7 +48,7 @@ def test_a_float_lm_head_is_ignored_under_the_names_of_model_and_checkpoint(tmp_
     assert torch.equal(logits(qfp8.from_pretrained(tmp_path)), logits(model))
 
 
-def test_targets_of_several_schemes_name_model_and_checkpoint_modules(tmp_path):
+def test_targets_of_several_schemes_name_model_and_checkpoint_modules(tiny_llava, tmp_path):
     pytest.importorskip("compressed_tensors", reason="transformers reads compressed-tensors through it")
     model = tiny_llava()
     qfp8.quantize(model.model.language_model)
@@ -80,11 +67,11 @@ def test_targets_of_several_schemes_name_model_and_checkpoint_modules(tmp_path):
     assert torch.equal(logits(reloaded), logits(model))
 
 
-def test_the_cli_reads_a_checkpoint_stored_under_the_model_names(tmp_path):
+def test_the_cli_reads_a_checkpoint_stored_under_the_model_names(tiny_llava, tmp_path):
     """A Llava stored with ``model.language_model.*`` names, which transformers 5 loads too: the CLI had looked
     for the legacy names only and refused it ("nothing to quantize ... not stored in the checkpoint")."""
     legacy, renamed = tmp_path / "legacy", tmp_path / "renamed"
-    tiny_llava(torch.bfloat16).save_pretrained(legacy)
+    tiny_llava(dtype=torch.bfloat16).save_pretrained(legacy)
     state = load_file(legacy / "model.safetensors")
     prefixes = {
         "language_model.model.": "model.language_model.",

@@ -279,18 +279,9 @@ def test_a_forward_hook_on_the_embedding_moves_to_the_qembedding():
 
 
 # ------------------------------------------------------ found by the audit
-def test_a_vlm_keeps_the_tie_in_its_text_config_too(tmp_path):
+def test_a_vlm_keeps_the_tie_in_its_text_config_too(tiny_llava, tmp_path):
     """Llava over a tied Llama: the flag its language model reads is text_config's."""
-    text = transformers.LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-    )
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=310)
-    torch.manual_seed(0)
-    model = transformers.LlavaForConditionalGeneration(config).eval()
+    model = tiny_llava(tie=True, layers=1)
     quantized(model)
     assert isinstance(model.get_input_embeddings(), QEmbedding)
     assert model.config.text_config.tie_word_embeddings is False
