@@ -209,8 +209,11 @@ def _row_bands(weight: torch.Tensor, align: int = 1) -> list[tuple[int, int]] | 
 
 
 def _bands_of(weight: torch.Tensor) -> list[torch.Tensor]:
-    """``weight`` (any shape) as row bands of about ``WEIGHT_CHUNK_ELEMENTS`` elements, for reductions."""
-    flat = weight.detach().reshape(weight.shape[0], -1) if weight.dim() >= 2 else weight.detach().reshape(1, -1)
+    """``weight`` (any shape; rows along its last dimension) as bands of about ``WEIGHT_CHUNK_ELEMENTS`` elements,
+    for reductions."""
+    if weight.numel() == 0:
+        return []
+    flat = weight.detach().reshape(-1, weight.shape[-1]) if weight.dim() >= 2 else weight.detach().reshape(1, -1)
     bands = _row_bands(flat)
     return [flat] if bands is None else [flat[start:stop] for start, stop in bands]
 
