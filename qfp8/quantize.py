@@ -181,13 +181,21 @@ META_REASON = (
 )
 
 
-def _skip_reason(module: nn.Linear) -> str | None:
+def linear_class_reason(module: nn.Linear) -> str | None:
+    """Why ``quantize`` keeps a Linear of this kind float whatever its weight (the CLI asks it of a meta-device
+    build): a subclass with its own forward, or nn.MultiheadAttention's projection."""
     cls = type(module)
     plain = f"{cls.__module__}.{cls.__qualname__}" in PLAIN_LINEAR_SUBCLASSES
     if cls.forward is not nn.Linear.forward and not plain:
         return f"{type(module).__name__} has its own forward"
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return "used by nn.MultiheadAttention through its weight, not its forward"
+    return None
+
+
+def _skip_reason(module: nn.Linear) -> str | None:
+    if reason := linear_class_reason(module):
+        return reason
     if not module.weight.is_floating_point() or module.weight.dtype in formats.FP8_DTYPES.values():
         return f"weight dtype {module.weight.dtype} is not a float format"
     if module.weight.device.type == "meta":

@@ -31,22 +31,26 @@ from torch import nn
 KV_ROUNDING_FILE = "qfp8_kv_rounding.st"
 
 
-def _transforms(model: nn.Module) -> list | None:
-    """The conversions transformers applies when it loads ``model`` (None: none, or no table)."""
+def _transforms(model: nn.Module) -> tuple[list, list] | None:
+    """The conversions transformers applies when it loads ``model``, and those whose reverse its save applies
+    (None: none, or no table)."""
     try:
         from transformers import core_model_loading as loading
         from transformers.conversion_mapping import get_model_conversion_mapping
     except ImportError:
         return None
     conversions = getattr(model, "_weight_conversions", None)
-    if conversions is None:
-        try:
-            conversions = get_model_conversion_mapping(model, add_legacy=False)
-        except Exception:  # not a transformers model, or a table this code does not know
-            return None
-        # As transformers' save does for a model it did not load: a prefix change would add a prefix it never had.
-        conversions = [c for c in conversions if not isinstance(c, loading.PrefixChange)]
-    return conversions or None
+    if conversions is not None:
+        return (conversions, conversions) if conversions else None
+    try:
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+    except Exception:  # not a transformers model, or a table this code does not know
+        return None
+    # Loading applies a prefix change where the checkpoint has the prefix (the Hub's Llava, Gemma 3 and PaliGemma
+    # store their vision tower under vision_tower.vision_model.*); transformers' save of a model it did not
+    # load skips it, as it would add a prefix the model never had.
+    saved = [c for c in conversions if not isinstance(c, loading.PrefixChange)]
+    return (conversions, saved) if conversions else None
 
 
 class CheckpointNames:
@@ -57,19 +61,20 @@ class CheckpointNames:
         self._in_renamings: list = []
         self._out_converters: list = []
         self._loading = None
-        conversions = _transforms(model)
-        if conversions is None:
+        found = _transforms(model)
+        if found is None:
             return
+        loaded, saved = found
         from transformers import core_model_loading as loading
 
         self._loading = loading
         try:
-            reverse = [c.reverse_transform() for c in conversions[::-1]]
+            reverse = [c.reverse_transform() for c in saved[::-1]]
         except Exception:
             return
         self._out_renamings = [c for c in reverse if isinstance(c, loading.WeightRenaming)]
         self._out_converters = [c for c in reverse if isinstance(c, loading.WeightConverter)]
-        self._in_renamings = [c for c in conversions if isinstance(c, loading.WeightRenaming)]
+        self._in_renamings = [c for c in loaded if isinstance(c, loading.WeightRenaming)]
 
     @property
     def identity(self) -> bool:

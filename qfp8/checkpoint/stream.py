@@ -80,6 +80,7 @@ from qfp8.quantize import (
     exclude_patterns,
     excluded_by,
     float_linear_reason,
+    linear_class_reason,
     other_kinds_clause,
     other_weight_kinds,
     tied_float_holders,
@@ -160,6 +161,8 @@ class ModelLinears(NamedTuple):
     # checkpoint module name -> the model's, where they differ (see qconfig.build_quantization_config)
     model_names: dict[str, str] | None = None
     config_class: type | None = None  # transformers' config class of the checkpoint
+    # Linears quantize keeps float by their kind (SigLIP's nn.MultiheadAttention projection): name -> why
+    kind_reasons: dict[str, str] | None = None
 
 
 class _StoredNames:
@@ -169,8 +172,13 @@ class _StoredNames:
 
     def __init__(self, names: CheckpointNames, stored: set[str]):
         self.names, self.stored = names, stored
+        # What transformers loads each stored tensor as: the Hub's Llava stores vision_tower.vision_model.*,
+        # which no model name maps back to (transformers' save of a config-built model leaves the prefix out).
+        self.by_model = {names.to_model(key): key for key in stored}
 
     def to_checkpoint(self, name: str) -> str:
+        if name in self.by_model:
+            return self.by_model[name]
         renamed = self.names.to_checkpoint(name)
         return name if renamed not in self.stored and name in self.stored else renamed
 
@@ -188,13 +196,15 @@ def _linear_names(config_dir: Path, stored: set[str]) -> ModelLinears:
         model = build_model(transformers, config, bare_fallback=True)
     names = CheckpointNames(model)
     in_checkpoint = _StoredNames(names, stored)
-    model_names = {}
+    model_names, kind_reasons = {}, {}
     linears = []
     for name, m in model.named_modules(remove_duplicate=False):
         if isinstance(m, torch.nn.Linear):
             linears.append(in_checkpoint.module(name))
             if linears[-1] != name:
                 model_names[linears[-1]] = name
+            if reason := linear_class_reason(m):
+                kind_reasons[linears[-1]] = reason
     parts = {}
     fused = find_fused_experts(model)
     for item in fused:
@@ -206,7 +216,9 @@ def _linear_names(config_dir: Path, stored: set[str]) -> ModelLinears:
         holders.setdefault(id(param), []).append(in_checkpoint.to_checkpoint(name))
     shared = {name: [n for n in group if n != name] for group in holders.values() if len(group) > 1 for name in group}
     tied = _tied_head(model, in_checkpoint)
-    return ModelLinears(linears, parts, type(model).__name__, others, tied, shared, model_names, type(config))
+    return ModelLinears(
+        linears, parts, type(model).__name__, others, tied, shared, model_names, type(config), kind_reasons
+    )
 
 
 def _tied_head(model: torch.nn.Module, names: _StoredNames) -> tuple[str, str, str | None] | None:
@@ -398,7 +410,7 @@ def stream_quantize(
         stored = plan.tensors.get(weight_keys[name])
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
         pattern = excluded_by(name, exclude)
-        gate = float_linear_reason(name)  # a MoE gate: float, as quantize keeps it
+        gate = float_linear_reason(name) or found.kind_reasons.get(name)  # a MoE gate, MHA: float, as in quantize
         if stored is None or pattern or gate or len(shape) != 2 or name in reasons:
             ignored.append(name)  # excluded, or tied to another tensor and not stored
             layers[name] = (None, shape)

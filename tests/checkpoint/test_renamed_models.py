@@ -102,3 +102,78 @@ def test_the_cli_reads_a_checkpoint_stored_under_the_model_names(tiny_llava, tmp
     assert torch.equal(ours, logits(qfp8.from_pretrained(out["legacy"])))
     reference = logits(transformers.LlavaForConditionalGeneration.from_pretrained(legacy))
     assert formats.sqnr(ours, reference) > 25
+
+
+def hub_named(folder, out):
+    """``folder``'s Llava checkpoint with its vision tower under ``vision_tower.vision_model.*``, as the Hub's
+    llava-hf checkpoints store it (transformers 5 drops ``vision_model.`` when it loads them)."""
+    out.mkdir()
+    (out / "config.json").write_text((folder / "config.json").read_text())
+    state = load_file(folder / "model.safetensors")
+    prefix = "vision_tower."
+    moved = {(prefix + "vision_model." + k[len(prefix) :] if k.startswith(prefix) else k): v for k, v in state.items()}
+    save_file(moved, out / "model.safetensors", metadata={"format": "pt"})
+    return moved
+
+
+def quantized_names(model):
+    return sorted(name for name, module in model.named_modules() if isinstance(module, qfp8.QLinear))
+
+
+def test_a_model_loaded_from_the_hubs_llava_layout_saves_a_checkpoint_qfp8_reads_back(tiny_llava, tmp_path):
+    """Saved under vision_tower.vision_model.* (as transformers saves a model it loaded so), the checkpoint was
+    refused by qfp8.from_pretrained: "quantizes module 'model.vision_tower.vision_model...', which the model does
+    not have" (the reader dropped transformers' prefix change)."""
+    tiny_llava().save_pretrained(tmp_path / "plain")
+    hub_named(tmp_path / "plain", tmp_path / "hub")
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "hub").eval()
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path / "fp8")
+    assert any(k.startswith("vision_tower.vision_model.") for k in load_file(tmp_path / "fp8" / "model.safetensors"))
+    reloaded = qfp8.from_pretrained(tmp_path / "fp8")
+    assert quantized_names(reloaded) == quantized_names(model)
+    assert torch.equal(logits(reloaded), logits(model))
+    theirs = logits(transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "fp8"))
+    assert formats.sqnr(theirs, logits(model)) > 40
+
+
+def test_the_cli_quantizes_the_vision_tower_of_the_hubs_llava_layout(tiny_llava, tmp_path):
+    """It had found no stored weight for the tower's Linears and left them float, silently."""
+    model = tiny_llava()
+    model.save_pretrained(tmp_path / "plain")
+    hub_named(tmp_path / "plain", tmp_path / "hub")
+    subprocess.run(
+        [sys.executable, "-m", "qfp8", "quantize", str(tmp_path / "hub"), str(tmp_path / "fp8"), "--no-progress"],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    loaded = qfp8.from_pretrained(tmp_path / "fp8")
+    qfp8.quantize(model)
+    assert quantized_names(loaded) == quantized_names(model)
+    assert len([n for n in quantized_names(loaded) if "vision_tower" in n]) == 6
+    assert torch.equal(logits(loaded), logits(model))
+
+
+def test_the_cli_keeps_a_multihead_attention_projection_float_as_quantize_does(tmp_path):
+    """SigLIP's head (PaliGemma, Gemma 3) runs nn.MultiheadAttention, which reads out_proj's weight itself."""
+    text = transformers.GemmaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, image_size=32, patch_size=8,
+        projection_dim=64,
+    )  # fmt: skip
+    config = transformers.PaliGemmaConfig(
+        vision_config=vision, text_config=text, image_token_index=255, projection_dim=64
+    )
+    torch.manual_seed(0)
+    model = transformers.PaliGemmaForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path / "float")
+    subprocess.run(
+        [sys.executable, "-m", "qfp8", "quantize", str(tmp_path / "float"), str(tmp_path / "fp8"), "--no-progress"],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    loaded = qfp8.from_pretrained(tmp_path / "fp8")
+    _, report = qfp8.quantize(model)
+    assert any("MultiheadAttention" in entry.reason for entry in report.skipped)
+    assert quantized_names(loaded) == quantized_names(model)
