@@ -431,7 +431,10 @@ def stream_quantize(
         stored = plan.tensors.get(name + ".weight")
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
         reason = (
-            "missing or not 2-D" if shape is None or len(shape) != 2
+            f"the checkpoint stores them fused, as {fused} (transformers 5's model names); qfp8 quantize reads "
+            "experts stored one by one (transformers' own save). Quantize the model in memory instead "
+            "(qfp8.quantize + qfp8.save_pretrained)" if stored is None and fused in plan.tensors
+            else "missing or not 2-D" if shape is None or len(shape) != 2
             else _experts_kept_float(scheme, accuracy, shape[0], len(siblings))
         )  # fmt: skip
         if reason or fused in excluded_fused:

@@ -177,3 +177,25 @@ def test_the_cli_keeps_a_multihead_attention_projection_float_as_quantize_does(t
     _, report = qfp8.quantize(model)
     assert any("MultiheadAttention" in entry.reason for entry in report.skipped)
     assert quantized_names(loaded) == quantized_names(model)
+
+
+def test_the_cli_says_why_experts_stored_fused_under_the_model_names_stay_float(tmp_path):
+    """transformers 5 loads a Mixtral whose experts are stored fused (mlp.experts.gate_up_proj); the CLI reads
+    experts stored one by one, and had said only "missing or not 2-D"."""
+    from safetensors.torch import save_model
+
+    from qfp8.checkpoint.stream import stream_quantize
+
+    config = transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "float")
+    (tmp_path / "float" / "model.safetensors").unlink()
+    save_model(model, str(tmp_path / "float" / "model.safetensors"))  # the model's own names
+    with pytest.warns(UserWarning, match=r"stores them fused, as model\.layers\.0\.mlp\.experts\.gate_up_proj"):
+        stream_quantize(tmp_path / "float", tmp_path / "fp8", progress=False)
+    loaded = qfp8.from_pretrained(tmp_path / "fp8")
+    assert sum(isinstance(m, qfp8.QLinear) for m in loaded.modules()) == 4  # q, k, v, o: the experts stay float
