@@ -202,10 +202,13 @@ def plan_model_tensors(model: nn.Module) -> list[PlannedTensor]:
     return plan
 
 
-def model_layers(model: nn.Module) -> dict[str, qconfig.Layer]:
+def model_layers(model: nn.Module, model_names: dict[str, str] | None = None) -> dict[str, qconfig.Layer]:
     """Each linear layer of ``model`` under its checkpoint name (a module shared under two names: the first):
     its scheme (None for a float ``nn.Linear``) and weight shape [N, K]. Fused MoE experts count as one layer
-    per expert and part (``experts.<e>.w1``...), as checkpoints store them."""
+    per expert and part (``experts.<e>.w1``...), as checkpoints store them.
+
+    ``model_names``, when given, receives checkpoint name -> module name for each Linear whose two names differ
+    (see qconfig.build_quantization_config); expert parts are no modules (their experts are fused)."""
     names = CheckpointNames(model)
     layers: dict[str, qconfig.Layer] = {}
     seen: set[int] = set()
@@ -225,32 +228,34 @@ def model_layers(model: nn.Module) -> dict[str, qconfig.Layer]:
         seen.add(id(module))
         if isinstance(module, QExperts):
             add_experts(name, module.scheme, module.num_experts, module.out_features, module.in_features)
-        elif isinstance(module, QLinear):
-            layers[names.to_checkpoint(name)] = (module.scheme, (module.out_features, module.in_features))
-        elif isinstance(module, nn.Linear):
-            layers[names.to_checkpoint(name)] = (None, (module.out_features, module.in_features))
+        elif isinstance(module, (QLinear, nn.Linear)):
+            stored = names.to_checkpoint(name)
+            scheme = module.scheme if isinstance(module, QLinear) else None
+            layers[stored] = (scheme, (module.out_features, module.in_features))
+            if model_names is not None and stored != name:
+                model_names[stored] = name
     for item in find_fused_experts(model):  # experts left in float
         count, out_features, in_features = item.module._parameters[item.attr].shape
         add_experts(item.name, None, count, out_features, in_features)
     return layers
 
 
-def model_quantization_config(model: nn.Module, layers: dict[str, qconfig.Layer] | None = None) -> dict:
-    """The compressed-tensors ``quantization_config`` describing ``model``'s QLinears (``layers``: its
-    :func:`model_layers`, when the caller has them already).
+def model_quantization_config(
+    model: nn.Module, layers: dict[str, qconfig.Layer] | None = None, model_names: dict[str, str] | None = None
+) -> dict:
+    """The compressed-tensors ``quantization_config`` describing ``model``'s QLinears (``layers`` and
+    ``model_names``: what :func:`model_layers` gave, when the caller has them already).
 
     What compressed-tensors cannot represent is marked ``qfp8_method: "qfp8"`` instead (see qfp8/checkpoint/config.py).
     """
-    layers = model_layers(model) if layers is None else layers
+    if layers is None:
+        model_names = {}
+        layers = model_layers(model, model_names)
     schemes = {name: scheme for name, (scheme, _) in layers.items() if scheme is not None}
     ignored = [name for name, (scheme, _) in layers.items() if scheme is None]
     if not schemes:
         raise ValueError("save_pretrained: the model has no QLinear; call qfp8.quantize(model, ...) first")
     kv_dtype = getattr(model, "qfp8_kv_cache_dtype", None)
-    names = CheckpointNames(model)
-    modules = dict(model.named_modules())  # an expert part's renamed name is no module (its experts are fused)
-    model_names = {name: names.to_model(name) for name in layers if names.to_model(name) != name}
-    model_names = {name: renamed for name, renamed in model_names.items() if renamed in modules}
     return qconfig.build_quantization_config(
         schemes, ignored, kv_dtype, kv_dtype is not None and not _kv_scales(model), model_names
     )
@@ -530,8 +535,9 @@ def save_pretrained(
     model = unwrapped(model)
     check_output_directory(directory, "save_pretrained")
     config = model_config_dict(model)
-    layers = model_layers(model)
-    config["quantization_config"] = model_quantization_config(model, layers)
+    model_names: dict[str, str] = {}
+    layers = model_layers(model, model_names)
+    config["quantization_config"] = model_quantization_config(model, layers, model_names)
     # Saved, an uncalibrated static layer would lack its input_scale (the
     # checkpoint could not be loaded) and an accuracy-mode layer would ship
     # its round-to-nearest weights.
