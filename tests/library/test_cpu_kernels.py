@@ -312,6 +312,33 @@ def test_many_rows_in_uneven_register_blocks(isa, x_dtype, granularity):
         assert rel_error(y, ref) <= TOLERANCE[x_dtype], f"{isa} M={m}"
 
 
+@pytest.mark.parametrize("activation", ["none", "group"], ids=lambda a: f"a-{a}")
+@pytest.mark.parametrize("block_size", [(), (48, 10), (128, 128)], ids=lambda b: "x".join(map(str, b)) or "channel")
+@pytest.mark.parametrize(
+    "m, k, x_dtype",
+    [(16, 2100, torch.bfloat16), (40, 6600, torch.bfloat16), (100, 2100, torch.bfloat16), (48, 2100, torch.float32)],
+    ids=["M16-K2100", "M40-K6600-grouped", "M100-K2100", "M48-f32-K2100-grouped"],
+)
+def test_many_rows_over_several_chunks_and_grouped_tiles(isa, m, k, x_dtype, block_size, activation):
+    """The avx512bf16 kernel's many-row loops go through K 1024 values at a time (the last chunk partial): up to
+    64 virtual rows (one per bf16 part of x) convert the FP8 weights as they multiply them, more multiply a panel
+    converted once per chunk. Activations over 512 KB send four 32-channel tiles through K together (N = 150:
+    one group of four tiles and one tile left). Channel, block and 1 x 128 group scales."""
+    n = 150
+    granularity = "block" if block_size else "channel"
+    q, scale = random_weight(n, k, torch.float8_e4m3fn, granularity, block_size or None)
+    x = (torch.randn(m, k) * torch.rand(m, 1).add(0.1)).to(x_dtype)
+    bias = torch.randn(n)
+    y = run_kernel(x, q, scale, bias, block_size, activation)
+    if activation == "group":
+        xq, xs = formats.quantize_activation(x, torch.float8_e4m3fn, "group")
+        x_values = formats.fp8_to_float(xq).double() * formats.expand_group_scale(xs.double(), k)
+    else:
+        x_values = x
+    ref = float64_reference(x_values, q, scale, bias, block_size)
+    assert rel_error(y, ref) <= TOLERANCE[x_dtype], f"{isa} M={m} K={k} block={block_size} {activation}"
+
+
 @pytest.mark.parametrize("m", [1, 3, 20], ids=lambda m: f"M{m}")
 def test_activations_below_bf16_dot_product_range(isa, m):
     """Rows of magnitude 1e-30 and 1e-40 (float32 subnormal) beside ordinary rows, against the smallest weights of

@@ -30,19 +30,22 @@
 //
 // Up to 4 virtual rows (M == 1 included): a fused loop converts each group
 // and multiplies it at once (memory-bound: two groups per step, so every row
-// has four independent accumulators; software prefetch 8 KB ahead, 4 KB
-// for one row when threads share the call).
-// More rows: the tile's weights are converted chunk by chunk (512 k pairs)
-// into a bf16 panel (64 KB, in L2; 128-pair chunks in L1 measured 4 %
-// slower at M = 256), which a register-blocked loop of up to 12
-// virtual rows x 32 channels (24 zmm accumulators, a broadcast activation
-// pair per row and k pair) multiplies; the last row block prefetches the
-// next chunk's weights, a line per k pair. When the activations outgrow L2,
-// four tiles go through K together, so each row block's activations are read
-// once for the four.
+// has four independent accumulators; software prefetch 8 KB ahead, 3.5 KB on
+// Zen 4, 4 KB for one row when threads share the call).
+// More rows: a register-blocked loop of up to 12 virtual rows x 32 channels
+// (24 zmm accumulators, a broadcast activation pair per row and k pair) goes
+// through K chunk by chunk (512 k pairs). Up to 64 virtual rows it converts
+// each group in registers as it multiplies it (every row block converts the
+// chunk again, from L1/L2); more rows multiply a bf16 panel (64 KB, in L2)
+// converted once per chunk (128-pair chunks in L1 measured 4 % slower at
+// M = 256). The last row block prefetches the next chunk's weights, a line
+// per k pair. When the activations outgrow L2, four tiles go through K
+// together, so each row block's activations are read once for the four. The
+// activations of these loops are laid out by register block (Activations).
 //
 // The activations are split once per call (prepare_avx512bf16, before the
 // tiles are shared out among threads), not once per thread.
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -66,9 +69,28 @@ constexpr int kMaxRows = 12;          // virtual rows per register block: 24 zmm
 // Zen 5, cold weights, one row: one thread 0.6-5 % faster at 8 KB than 4 KB
 // (10 and 12 KB no better, 16 KB slower); two threads 1-2 % slower at 8 KB.
 // At M = 4 (one thread), 3-7 % faster at 8 KB.
+// Zen 4 (AMD family 0x19; Zen 3, the same family, has no AVX512): 56 pairs
+// (3.5 KB). Same-process medians, one thread, cold weights, speed-up over
+// bf16 at 56 and 128 pairs, 4096 x 4096 / 4096 x 14336 / 14336 x 4096:
+// M = 1 5.01x, 4.71x / 4.85x, 4.55x / 5.11x, 4.85x; M = 4 3.94x, 3.62x /
+// 3.73x, 3.34x / 3.54x, 3.36x. 64 pairs was as fast at M = 1 but 3-12 %
+// slower than 56 at M = 4, and 48 or fewer slower at M = 1.
 constexpr int64_t kPrefetchPairs = 128;
+constexpr int64_t kZen4PrefetchPairs = 56;
 constexpr int64_t kSharedPrefetchPairs = 64;
 constexpr float kTinyActivation = 0x1p-80f;
+
+int64_t prefetch_pairs() {
+  static const int64_t pairs = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return kPrefetchPairs;
+    const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return kPrefetchPairs;
+    const unsigned family = ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
+    return family == 0x19 ? kZen4PrefetchPairs : kPrefetchPairs;
+  }();
+  return pairs;
+}
 
 // bf16 bits of FP8 code i (0..127, sign clear), exact.
 uint16_t bf16_of_code(int format, int i) {
@@ -217,10 +239,43 @@ struct Activations {
   std::vector<uint32_t> data;       // the pairs, unless x (bf16, even K) is used as it is
   const uint32_t* base = nullptr;   // data.data() or x
   std::vector<int64_t> output_row;  // [rows]: the row of x (and of y) of virtual row v
+  // More than kFewRows rows: [chunk][block][pair][row], each register block's
+  // rows side by side at each pair, so that the block's broadcasts at one pair
+  // read one cache line. Row by row, the rows of a block lay K * 2 bytes apart
+  // and fell in the same few L1 sets (K = 4096: 8 KB apart): 12-row panel
+  // loops from L2 ran at 88 % (K = 4096) and 82 % (K = 14336) of the
+  // interleaved rate (Zen 4, a standalone loop).
+  std::vector<uint32_t> blocked;
 
   int64_t block_start(int64_t b) const { return b * rows / blocks; }
   int rows_in(int64_t b) const { return static_cast<int>(block_start(b + 1) - block_start(b)); }
   const uint32_t* row(int64_t v) const { return base + v * pairs; }
+  // Register block b's pairs from `pair` (a multiple of kChunkPairs) on,
+  // rows_in(b) values a pair. Chunk by chunk, then block by block: the
+  // blocks follow each other in memory in the order they are multiplied.
+  const uint32_t* block(int64_t b, int64_t pair) const {
+    const int64_t count = std::min(kChunkPairs, pairs - pair);
+    return blocked.data() + pair * rows + block_start(b) * count;
+  }
+
+  // Lays the row-by-row pairs out by chunk and block (more than kFewRows rows only).
+  void interleave() {
+    blocked.resize(rows * pairs);
+    for (int64_t c0 = 0; c0 < pairs; c0 += kChunkPairs) {
+      const int64_t count = std::min(kChunkPairs, pairs - c0);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t v0 = block_start(b);
+        const int n = rows_in(b);
+        uint32_t* out = const_cast<uint32_t*>(block(b, c0));
+        const uint32_t* in[kMaxRows];
+        for (int r = 0; r < n; ++r) in[r] = row(v0 + r) + c0;
+        for (int64_t i = 0; i < count; ++i, out += n)
+          for (int r = 0; r < n; ++r) out[r] = in[r][i];
+      }
+    }
+    data = std::vector<uint32_t>();
+    base = nullptr;
+  }
 
   void shape(int parts_, int64_t M, int64_t Kp) {
     parts = parts_;
@@ -324,7 +379,7 @@ void tile_few_rows(const LinearProblem& p, const Tables& tb, int64_t t, const ui
                    float* const* acc_rows, const int64_t* output_rows) {
   const int64_t pairs = p.Kp / 2;
   const uint8_t* g = p.w + t * pairs * kGroupBytes;
-  const int64_t ahead = Rows == 1 && p.threads > 1 ? kSharedPrefetchPairs : kPrefetchPairs;
+  const int64_t ahead = Rows == 1 && p.threads > 1 ? kSharedPrefetchPairs : prefetch_pairs();
   for (int64_t s0 = 0, s1; s0 < pairs; s0 = s1) {
     s1 = segment_end<Block>(p, s0, pairs);
     __m512 acc[Rows][4];
@@ -392,28 +447,61 @@ struct ChunkRuns {
 // The register block's sums over the panel's pairs [begin, end): acc[r][j] is
 // row r times channels 16 j.. of the tile in lane order; the prefetch asks for
 // a line per pair.
-template <int Rows>
-inline void panel_sums(const __m512i* panel, const uint32_t* x, int64_t ld, int64_t begin, int64_t end,
-                       const uint8_t* prefetch, __m512 (&acc)[Rows][2]) {
+// Whether the register blocks convert the FP8 groups as they multiply them
+// (up to kFusedMaxRows virtual rows) instead of multiplying a bf16 panel
+// converted once per chunk. Zen 4 runs the conversion's byte shuffles beside
+// vdpbf16ps (a 12-row fused loop from L1: 24.6 cycles a pair against 24 for
+// the multiplies alone), but writes the panel at 32 bytes a cycle (8 cycles a
+// pair, the multiplies of 4 rows): same-process medians, 4096 x 4096, one
+// thread, bf16's time over qfp8's, panel then fused: M = 8 1.77x, 2.56x;
+// M = 16 1.46x, 1.81x; M = 64 1.14x, 1.18x; M = 128 1.05x, 1.06x; M = 256
+// 1.01x, 1.00x. Past 64 rows the panel stays (measured as fast here, and
+// the layout that Zen 5 was tuned on).
+constexpr int64_t kFusedMaxRows = 64;
+inline bool fuses(const Activations& a) { return a.rows <= kFusedMaxRows; }
+
+// The weights a register block multiplies: a converted bf16 panel (Fused
+// false: two zmm a pair), or the packed FP8 groups themselves, converted in
+// registers as they are multiplied (Fused true).
+struct BlockWeights {
+  const void* w;  // __m512i panel or uint8_t groups, at the chunk's first pair
+  const Tables* tb;
+};
+
+template <bool Fused>
+inline void block_weights(const BlockWeights& bw, const Tables& tb, int64_t i, __m512i& w0, __m512i& w1) {
+  if (Fused) {
+    convert_group(tb, static_cast<const uint8_t*>(bw.w) + i * kGroupBytes, w0, w1);
+  } else {
+    const __m512i* panel = static_cast<const __m512i*>(bw.w);
+    w0 = _mm512_load_si512(panel + 2 * i);
+    w1 = _mm512_load_si512(panel + 2 * i + 1);
+  }
+}
+
+template <int Rows, bool Fused>
+inline void panel_sums(const BlockWeights& bw, const uint32_t* x, int64_t begin, int64_t end, const uint8_t* prefetch,
+                       __m512 (&acc)[Rows][2]) {
+  const Tables tb = *bw.tb;  // in registers through the loop
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t i = begin; i < end; ++i) {
     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGroupBytes), _MM_HINT_T0);
-    const __m512i w0 = _mm512_load_si512(panel + 2 * i);
-    const __m512i w1 = _mm512_load_si512(panel + 2 * i + 1);
+    __m512i w0, w1;
+    block_weights<Fused>(bw, tb, i, w0, w1);
     for (int r = 0; r < Rows; ++r) {
-      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[r * ld + i]));
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[i * Rows + r]));
       acc[r][0] = dot(acc[r][0], w0, xv);
       acc[r][1] = dot(acc[r][1], w1, xv);
     }
   }
 }
 
-template <int Rows>
-void panel_rows(const __m512i* panel, const uint32_t* x, int64_t ld, float* const* acc_rows, int runs,
-                const int64_t* run_end, const __m512* lane, const float* row, const uint8_t* prefetch) {
+template <int Rows, bool Fused>
+void panel_rows(const BlockWeights& bw, const uint32_t* x, float* const* acc_rows, int runs, const int64_t* run_end,
+                const __m512* lane, const float* row, const uint8_t* prefetch) {
   for (int run = 0; run < runs; ++run) {
     __m512 acc[Rows][2];
-    panel_sums<Rows>(panel, x, ld, run ? run_end[run - 1] : 0, run_end[run], prefetch, acc);
+    panel_sums<Rows, Fused>(bw, x, run ? run_end[run - 1] : 0, run_end[run], prefetch, acc);
     // In row order: two virtual rows of one output row add one after the other.
     for (int r = 0; r < Rows; ++r) {
       for (int j = 0; j < 2; ++j) {
@@ -424,41 +512,43 @@ void panel_rows(const __m512i* panel, const uint32_t* x, int64_t ld, float* cons
   }
 }
 
-// Rows x a panel that holds the whole K (one chunk, one run: no block or group
+// Rows x weights that hold the whole K (one chunk, one run: no block or group
 // scales) of one-part activations: the finished sums go straight to the
 // output rows m0.. (store_lanes), not through the lane-order accumulators.
 // With little K per output (K = 64-512 at large M) the accumulators' zeroing,
 // adding and reading back had cost as much as the multiplies.
-template <int Rows>
-void panel_rows_store(const LinearProblem& p, const __m512i* panel, const uint32_t* x, int64_t ld, int64_t count,
-                      int64_t m0, int64_t tile, const float* mult, const uint8_t* prefetch) {
+template <int Rows, bool Fused>
+void panel_rows_store(const LinearProblem& p, const BlockWeights& bw, const uint32_t* x, int64_t count, int64_t m0,
+                      int64_t tile, const float* mult, const uint8_t* prefetch) {
   __m512 acc[Rows][2];
-  panel_sums<Rows>(panel, x, ld, 0, count, prefetch, acc);
+  panel_sums<Rows, Fused>(bw, x, 0, count, prefetch, acc);
   for (int r = 0; r < Rows; ++r) store_lanes(p, m0 + r, tile, acc[r][0], acc[r][1], mult);
 }
 
-using PanelStoreFn = void (*)(const LinearProblem&, const __m512i*, const uint32_t*, int64_t, int64_t, int64_t, int64_t,
+using PanelStoreFn = void (*)(const LinearProblem&, const BlockWeights&, const uint32_t*, int64_t, int64_t, int64_t,
                               const float*, const uint8_t*);
-constexpr PanelStoreFn kPanelStore[kMaxRows + 1] = {
-    nullptr,
-    panel_rows_store<1>,
-    panel_rows_store<2>,
-    panel_rows_store<3>,
-    panel_rows_store<4>,
-    panel_rows_store<5>,
-    panel_rows_store<6>,
-    panel_rows_store<7>,
-    panel_rows_store<8>,
-    panel_rows_store<9>,
-    panel_rows_store<10>,
-    panel_rows_store<11>,
-    panel_rows_store<12>};
+using PanelRowsFn = void (*)(const BlockWeights&, const uint32_t*, float* const*, int, const int64_t*, const __m512*,
+                             const float*, const uint8_t*);
 
-using PanelRowsFn = void (*)(const __m512i*, const uint32_t*, int64_t, float* const*, int, const int64_t*,
-                             const __m512*, const float*, const uint8_t*);
-constexpr PanelRowsFn kPanelRows[kMaxRows + 1] = {
-    nullptr,        panel_rows<1>, panel_rows<2>, panel_rows<3>,  panel_rows<4>,  panel_rows<5>, panel_rows<6>,
-    panel_rows<7>,  panel_rows<8>, panel_rows<9>, panel_rows<10>, panel_rows<11>, panel_rows<12>};
+constexpr PanelStoreFn kPanelStore[2][kMaxRows + 1] = {  // [Fused][rows]
+    {nullptr,
+      panel_rows_store<1, false>, panel_rows_store<2, false>, panel_rows_store<3, false>, panel_rows_store<4, false>,
+      panel_rows_store<5, false>, panel_rows_store<6, false>, panel_rows_store<7, false>, panel_rows_store<8, false>,
+      panel_rows_store<9, false>, panel_rows_store<10, false>, panel_rows_store<11, false>,
+      panel_rows_store<12, false>},
+    {nullptr,
+      panel_rows_store<1, true>, panel_rows_store<2, true>, panel_rows_store<3, true>, panel_rows_store<4, true>,
+      panel_rows_store<5, true>, panel_rows_store<6, true>, panel_rows_store<7, true>, panel_rows_store<8, true>,
+      panel_rows_store<9, true>, panel_rows_store<10, true>, panel_rows_store<11, true>, panel_rows_store<12, true>}};
+constexpr PanelRowsFn kPanelRows[2][kMaxRows + 1] = {  // [Fused][rows]
+    {nullptr,
+      panel_rows<1, false>, panel_rows<2, false>, panel_rows<3, false>, panel_rows<4, false>, panel_rows<5, false>,
+      panel_rows<6, false>, panel_rows<7, false>, panel_rows<8, false>, panel_rows<9, false>, panel_rows<10, false>,
+      panel_rows<11, false>, panel_rows<12, false>},
+    {nullptr,
+      panel_rows<1, true>, panel_rows<2, true>, panel_rows<3, true>, panel_rows<4, true>, panel_rows<5, true>,
+      panel_rows<6, true>, panel_rows<7, true>, panel_rows<8, true>, panel_rows<9, true>, panel_rows<10, true>,
+      panel_rows<11, true>, panel_rows<12, true>}};
 
 // Tiles [t0, t0 + tiles) (tiles <= kGroupTiles): acc holds each tile's
 // [M][32] lane-order sums. Up to kFewRows rows, tile by tile through the
@@ -472,6 +562,7 @@ inline bool stores_directly(const LinearProblem& p, const Activations& a) {
   return p.scale_kind != kScaleBlock && !p.group_scale && a.parts == 1 && a.rows > kFewRows && a.pairs <= kChunkPairs;
 }
 
+
 // Returns true when it wrote the output rows itself (stores_directly), false
 // when they are left in acc for store_lanes.
 template <bool Block>
@@ -479,13 +570,16 @@ bool tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
                 __m512i* panels, float* acc, ChunkRuns& runs) {
   const int64_t pairs = a.pairs;
   const int64_t tile_bytes = pairs * kGroupBytes;
+  const bool fused = fuses(a);
   if (stores_directly(p, a)) {
     const uint8_t* w = p.w + t0 * tile_bytes;
     float mult[kGroupTiles][kTileN];
     for (int64_t j = 0; j < tiles; ++j) {
-      __m512i* panel = panels + j * 2 * kChunkPairs;
       const uint8_t* g = w + j * tile_bytes;
-      for (int64_t i = 0; i < pairs; ++i) convert_group(tb, g + i * kGroupBytes, panel[2 * i], panel[2 * i + 1]);
+      if (!fused) {
+        __m512i* panel = panels + j * 2 * kChunkPairs;
+        for (int64_t i = 0; i < pairs; ++i) convert_group(tb, g + i * kGroupBytes, panel[2 * i], panel[2 * i + 1]);
+      }
       fill_channel_mult(p, t0 + j, false, mult[j]);
     }
     for (int64_t b = 0; b < a.blocks; ++b) {
@@ -493,8 +587,8 @@ bool tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
       for (int64_t j = 0; j < tiles; ++j) {
         // The last row block asks for the next group's tile (see below).
         const uint8_t* next = b == a.blocks - 1 ? w + (tiles + j) * tile_bytes : nullptr;
-        kPanelStore[a.rows_in(b)](p, panels + j * 2 * kChunkPairs, a.row(v0), pairs, pairs, v0, t0 + j, mult[j],
-                                  next);
+        const BlockWeights bw{fused ? static_cast<const void*>(w + j * tile_bytes) : panels + j * 2 * kChunkPairs, &tb};
+        kPanelStore[fused][a.rows_in(b)](p, bw, a.block(b, 0), pairs, v0, t0 + j, mult[j], next);
       }
     }
     return true;
@@ -520,7 +614,9 @@ bool tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
     for (int64_t j = 0; j < tiles; ++j) {
       __m512i* panel = panels + j * 2 * kChunkPairs;
       const uint8_t* g = w + j * tile_bytes + c0 * kGroupBytes;
-      for (int64_t i = 0; i < count; ++i) convert_group(tb, g + i * kGroupBytes, panel[2 * i], panel[2 * i + 1]);
+      if (!fused) {
+        for (int64_t i = 0; i < count; ++i) convert_group(tb, g + i * kGroupBytes, panel[2 * i], panel[2 * i + 1]);
+      }
       if (Block) {
         for (int run = 0; run < runs.count; ++run) {
           __m512* lane = runs.lane.data() + (j * kChunkPairs + run) * 2;
@@ -546,9 +642,11 @@ bool tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
         // first, the lines waited through every block and had partly left
         // L2 again: 2 % slower at M = 256.
         const uint8_t* next = w + j * tile_bytes + (c0 + count < pairs ? (c0 + count) * kGroupBytes : tiles * tile_bytes);
-        kPanelRows[rows](panels + j * 2 * kChunkPairs, a.row(v0) + c0, pairs, acc_rows, runs.count, runs.end.data(),
-                         Block ? runs.lane.data() + j * kChunkPairs * 2 : nullptr, grouped ? runs.row.data() : nullptr,
-                         b == a.blocks - 1 ? next : nullptr);
+        const void* weights = w + j * tile_bytes + c0 * kGroupBytes;
+        const BlockWeights bw{fused ? weights : panels + j * 2 * kChunkPairs, &tb};
+        kPanelRows[fused][rows](bw, a.block(b, c0), acc_rows, runs.count, runs.end.data(),
+                                Block ? runs.lane.data() + j * kChunkPairs * 2 : nullptr,
+                                grouped ? runs.row.data() : nullptr, b == a.blocks - 1 ? next : nullptr);
       }
     }
     c0 += count;
@@ -562,10 +660,14 @@ bool tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
 std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p) {
   if (p.scale_kind == kScaleBlock && p.bk % 2 != 0) return nullptr;  // the float32 code
   auto a = std::make_shared<bf16::Activations>();
-  if (p.x_bf16) return bf16::take_bf16_activations(p, *a) ? a : nullptr;
-  const int parts = bf16::split_activations(p, 1, *a);  // bf16 inputs and FP8 activations: one pass
-  if (parts == 0) return nullptr;
-  if (parts > 1) bf16::split_activations(p, parts, *a);
+  if (p.x_bf16) {
+    if (!bf16::take_bf16_activations(p, *a)) return nullptr;
+  } else {
+    const int parts = bf16::split_activations(p, 1, *a);  // bf16 inputs and FP8 activations: one pass
+    if (parts == 0) return nullptr;
+    if (parts > 1) bf16::split_activations(p, parts, *a);
+  }
+  if (a->rows > bf16::kFewRows) a->interleave();
   return a;
 }
 
@@ -583,7 +685,8 @@ void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, i
   const bool large = a.rows * a.pairs * 4 > (int64_t(512) << 10);
   const int64_t group = std::min<int64_t>(large ? bf16::kGroupTiles : 1, tile_end - tile_begin);
   // Panels: 64 KB a tile, 64-byte aligned, for more than kFewRows rows.
-  std::vector<float> panel_storage(a.rows > bf16::kFewRows ? group * 2 * bf16::kChunkPairs * 16 + 16 : 0);
+  const bool panel = a.rows > bf16::kFewRows && !bf16::fuses(a);
+  std::vector<float> panel_storage(panel ? group * 2 * bf16::kChunkPairs * 16 + 16 : 0);
   __m512i* panels = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) & ~uintptr_t(63));
   std::vector<float> lanes(bf16::stores_directly(p, a) ? 0 : group * p.M * kTileN);
   float mult[kTileN];
