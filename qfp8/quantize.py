@@ -721,6 +721,19 @@ def _calibrated_modules(model: nn.Module):
             yield module
 
 
+def _uses_calibration(module: nn.Module) -> bool:
+    """Whether calibrating changes the module: an FP8 KV cache, static activation scales, or an accuracy mode whose
+    float weights still wait for data (fused experts: any of their experts)."""
+    if hasattr(module, "qfp8_kv_calibrating"):
+        return True
+    parts = module.experts if isinstance(getattr(module, "experts", None), list) else [module]
+    return any(
+        getattr(getattr(part, "scheme", None), "activations", None) == "static"
+        or getattr(part, "accuracy_pending", False)
+        for part in parts
+    )
+
+
 @contextlib.contextmanager
 def calibrate(model: nn.Module):
     """Records static activation (and KV-cache) scales over the batches run inside.
@@ -738,6 +751,14 @@ def calibrate(model: nn.Module):
     modules = list(dict.fromkeys(_calibrated_modules(model)))
     if not modules:
         raise ValueError("calibrate: the model has no QLinear; call qfp8.quantize(model, ...) first")
+    if not any(_uses_calibration(m) for m in modules):
+        warnings.warn(
+            f"calibrate: nothing in {type(model).__name__} uses calibration data: its {len(modules)} quantized "
+            "layer(s) scale their activations per batch (dynamic) or keep them in float (weights only), no accuracy "
+            "mode waits for data and there is no FP8 KV cache; the batches run as usual and change nothing "
+            "(quantize with activations='static', an accuracy mode or kv_cache='float8_e4m3fn' to calibrate)",
+            stacklevel=3,
+        )
     fitted = [name for name, m in _qlinears(model).items() if m.accuracy and not m.accuracy_pending]
     if fitted:
         shown = _first_names(fitted, 3)

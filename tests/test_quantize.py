@@ -155,6 +155,28 @@ def test_calibration_keeps_the_maximum_over_batches():
     qfp8.freeze(model)
 
 
+@pytest.mark.parametrize("activations", [None, "dynamic"], ids=["w8a16", "dynamic"])
+def test_calibrate_warns_when_nothing_in_the_model_uses_it(activations):
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    qfp8.quantize(model, activations=activations, exclude=())
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    x = torch.randn(4, 16)
+    with pytest.warns(UserWarning, match=r"nothing in Sequential uses calibration data: its 2 quantized layer"):
+        with qfp8.calibrate(model):
+            model(x)
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_calibrate_of_a_static_model_does_not_say_it_changes_nothing(recwarn):
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    qfp8.quantize(model, activations="static", exclude=())
+    with qfp8.calibrate(model):
+        model(torch.randn(4, 16))
+    assert not [w for w in recwarn if "uses calibration data" in str(w.message)]
+    assert torch.isfinite(model[0].input_scale).all() and model[0].input_scale.item() > 0
+
+
 def test_calibration_sees_upstream_quantization_error():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
