@@ -106,23 +106,19 @@ def test_stream_exclude_pattern_matching_nothing_warns(tiny, tmp_path):
     assert type(excluded) is torch.nn.Linear
 
 
-def test_stream_peak_rss_is_bounded_by_largest_tensor(tiny, tmp_path):
+def test_stream_peak_rss_is_bounded_by_largest_tensor(tiny, tmp_path, rss_reader):
     source = tmp_path / "float"
     model = tiny.model(torch.float32, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, vocab_size=2048)
     model.save_pretrained(source)
     size = sum(p.stat().st_size for p in source.glob("*.safetensors"))
     largest = max(p.numel() * 4 for p in model.parameters())
     del model
-    script = textwrap.dedent(
+    script = rss_reader + textwrap.dedent(
         f"""
         import json, resource, sys
         from qfp8.checkpoint import stream, readers
         import transformers, torch  # imported before the baseline
         stream._linear_names(readers.resolve({str(source)!r}), set())
-        def rss(field):
-            for line in open("/proc/self/status"):
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
         open("/proc/self/clear_refs", "w").write("5")
         base = rss("VmRSS:")
         stream.stream_quantize({str(source)!r}, {str(tmp_path / "out")!r}, progress=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -307,7 +306,7 @@ def test_one_decoder_layer_is_materialized_at_a_time(tiny, tmp_path):
     assert seen == [1] * layers
 
 
-def test_calibrated_stream_peak_rss_is_one_layer(tiny, tmp_path):
+def test_calibrated_stream_peak_rss_is_one_layer(tiny, tmp_path, rss_reader):
     source = tmp_path / "float"
     layers = 8
     model = tiny.model(hidden_size=512, intermediate_size=1536, num_hidden_layers=layers, vocab_size=2048)
@@ -315,7 +314,7 @@ def test_calibrated_stream_peak_rss_is_one_layer(tiny, tmp_path):
     size = sum(p.stat().st_size for p in source.glob("*.safetensors"))
     layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
     del model
-    script = textwrap.dedent(
+    script = rss_reader + textwrap.dedent(
         f"""
         import json, torch
         from qfp8.checkpoint import layerwise, stream, readers
@@ -323,10 +322,6 @@ def test_calibrated_stream_peak_rss_is_one_layer(tiny, tmp_path):
         source = readers.resolve({str(source)!r})
         stream._linear_names(source, set())
         layerwise._meta_model(source, torch.float32)  # imports done before the baseline
-        def rss(field):
-            for line in open("/proc/self/status"):
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
         open("/proc/self/clear_refs", "w").write("5")
         base = rss("VmRSS:")
         ids = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -335,13 +330,7 @@ def test_calibrated_stream_peak_rss_is_one_layer(tiny, tmp_path):
         print(json.dumps({{"peak": rss("VmHWM:") - base}}))
         """
     )
-    # Tensors over glibc's mmap threshold (at most 32 MB: every weight of a model worth streaming) are
-    # returned to the system when freed; this model's are smaller, so fix the threshold to measure what
-    # the code holds rather than what the heap keeps after raising its threshold.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180, check=True, env=env
-    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, check=True)
     peak = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
     print(
         f"float checkpoint {size / 1e6:.1f} MB, {layers} layers of {layer_bytes / 1e6:.1f} MB: peak +{peak / 1e6:.1f} MB"
