@@ -339,6 +339,61 @@ def test_many_rows_over_several_chunks_and_grouped_tiles(isa, m, k, x_dtype, blo
     assert rel_error(y, ref) <= TOLERANCE[x_dtype], f"{isa} M={m} K={k} block={block_size} {activation}"
 
 
+AVX512BF16 = _isa_param("avx512bf16")
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("isa", [AVX512BF16])
+@pytest.mark.parametrize(
+    "m, k, n, x_dtype, block_size, activation",
+    [
+        (1100, 2100, 70, torch.bfloat16, (), "none"),
+        (300, 16000, 40, torch.bfloat16, (), "token"),
+        (300, 16000, 40, torch.bfloat16, (128, 128), "group"),
+        (200, 40000, 40, torch.bfloat16, (), "none"),
+        (200, 40000, 40, torch.bfloat16, (128, 128), "group"),
+        (120, 6000, 40, torch.float32, (48, 10), "none"),
+        (600, 1200, 3500, torch.float32, (), "none"),
+    ],
+    ids=["rows1100", "rows300-K16000-w8a8", "rows300-K16000-block-group", "rows200-K40000-segments",
+         "rows200-K40000-segments-block-group", "f32-K6000-segments-block", "f32-rows600-spans"],
+)  # fmt: skip
+def test_row_groups_and_k_segments_give_each_row_the_same_bits(
+    isa, one_thread, m, k, n, x_dtype, block_size, activation
+):
+    """Past 4 MB of activations of one part (bf16 x, FP8 activations) the avx512bf16 kernel takes the rows in
+    groups of 96-256 rows; past 4 MB of a group's (float32 x: three parts; K = 40000: 66-67 rows, 5.3 MB) it goes
+    through K in segments, all tiles of a span of them before the next segment (the last case: two spans, with
+    two K segments, on one thread). Each row gets the same additions in the same order, so its outputs equal,
+    bit for bit, those of a call with 13 rows; and they match float64."""
+    granularity = "block" if block_size else "channel"
+    q, scale = random_weight(n, k, torch.float8_e4m3fn, granularity, block_size or None)
+    x = (torch.randn(m, k) * torch.rand(m, 1).add(0.1)).to(x_dtype)
+    bias = torch.randn(n)
+    y = run_kernel(x, q, scale, bias, block_size, activation)
+    bits = torch.int32 if x_dtype == torch.float32 else torch.int16
+    for first in (0, m // 2 - 6, m - 13):  # the first group, across a group boundary, the last rows
+        rows = run_kernel(x[first : first + 13], q, scale, bias, block_size, activation)
+        assert torch.equal(rows.view(bits), y[first : first + 13].view(bits)), first
+    if activation == "none":
+        x_values = x
+    else:
+        xq, xs = formats.quantize_activation(x, torch.float8_e4m3fn, activation)
+        xs = formats.expand_group_scale(xs, k) if activation == "group" else xs
+        x_values = formats.fp8_to_float(xq).double() * xs.double()
+    ref = float64_reference(x_values, q, scale, bias, block_size)
+    assert rel_error(y, ref) <= TOLERANCE[x_dtype], f"M={m} K={k} {block_size} {activation}"
+
+
 @pytest.mark.parametrize("m", [1, 3, 20], ids=lambda m: f"M{m}")
 def test_activations_below_bf16_dot_product_range(isa, m):
     """Rows of magnitude 1e-30 and 1e-40 (float32 subnormal) beside ordinary rows, against the smallest weights of

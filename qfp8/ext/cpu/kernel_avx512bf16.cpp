@@ -42,6 +42,8 @@
 // per k pair. When the activations outgrow L2, four tiles go through K
 // together, so each row block's activations are read once for the four. The
 // activations of these loops are laid out by register block (Activations).
+// When the activations outgrow the cache, the rows go through the tiles in
+// groups, and a group's rows through K in segments (see RowGroup).
 //
 // The activations are split once per call (prepare_avx512bf16, before the
 // tiles are shared out among threads), not once per thread.
@@ -50,7 +52,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #define QFP8_AVX512_ENTRY linear_tiles_avx512bf16_float32
@@ -64,6 +68,7 @@ namespace {
 constexpr int64_t kChunkPairs = 512;  // k pairs per converted panel chunk: 512 x 128 bytes = 64 KB (in L2)
 constexpr int64_t kGroupTiles = 4;    // tiles that go through K together (M > 4)
 constexpr int kMaxRows = 12;          // virtual rows per register block: 24 zmm accumulators
+constexpr int kFewRows = 4;           // up to this many virtual rows: the fused loop (tile_few_rows)
 // Groups ahead the fused loop asks for: 8 KB, but 4 KB for one row when
 // threads share the call (each then gets less of the memory's bandwidth).
 // Zen 5, cold weights, one row: one thread 0.6-5 % faster at 8 KB than 4 KB
@@ -228,6 +233,55 @@ inline void store_lanes(const LinearProblem& p, int64_t m, int64_t tile, const f
   store_lanes(p, m, tile, _mm512_loadu_ps(lanes), _mm512_loadu_ps(lanes + 16), mult);
 }
 
+// Transposes 16 x 16 dwords in place: r[i] lane j <- r[j] lane i. Two
+// unpack stages within 128-bit lanes, then the lanes themselves.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // c[i + j]: rows i..i+3 at column 4 L + j of lane L
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i d0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), d1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i d2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i d3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    t[j] = _mm512_shuffle_i32x4(d0, d2, 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(d0, d2, 0xDD);
+    t[8 + j] = _mm512_shuffle_i32x4(d1, d3, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(d1, d3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Rows rows x `count` pairs from `in` (rows `ld` pairs apart) into `out`,
+// [pair][row], 16 pairs at a time through transpose16. Returns the lanes
+// (of 32 bf16 values) that hold a nonzero magnitude below kTinyActivation.
+template <int Rows>
+__mmask32 interleave_rows(const uint32_t* in, int64_t ld, int64_t count, uint32_t* out) {
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+  const __m512i tiny = _mm512_set1_epi16(static_cast<short>((127 - 80) << 7));  // bf16 bits of 2^-80
+  __mmask32 too_small = 0;
+  for (int64_t i = 0; i < count; i += 16) {
+    const int64_t n = std::min<int64_t>(16, count - i);
+    const __mmask16 valid = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    __m512i r[16];
+    for (int k = 0; k < 16; ++k) r[k] = k < Rows ? _mm512_maskz_loadu_epi32(valid, in + k * ld + i) : _mm512_setzero_si512();
+    for (int k = 0; k < Rows; ++k) {
+      const __m512i v = _mm512_and_si512(r[k], magnitude);
+      too_small |= _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(v, v), v, tiny);
+    }
+    transpose16(r);
+    for (int64_t j = 0; j < n; ++j) _mm512_mask_storeu_epi32(out + (i + j) * Rows, __mmask16((1u << Rows) - 1), r[j]);
+  }
+  return too_small;
+}
+
 // The activations as bf16 pairs, [virtual row][pair] (one uint32 = the bf16
 // of k = 2p and 2p + 1); virtual row v = part * M + m. Register blocks of
 // rows are as even as they can be (11 and 12 rows rather than 12 and 4).
@@ -244,8 +298,10 @@ struct Activations {
   // read one cache line. Row by row, the rows of a block lay K * 2 bytes apart
   // and fell in the same few L1 sets (K = 4096: 8 KB apart): 12-row panel
   // loops from L2 ran at 88 % (K = 4096) and 82 % (K = 14336) of the
-  // interleaved rate (Zen 4, a standalone loop).
-  std::vector<uint32_t> blocked;
+  // interleaved rate (Zen 4, a standalone loop). In huge pages and not
+  // zeroed first: page faults and zeroing had cost more than the copy
+  // (2048 x 14336, 58 MB: the call's preparation 46 ms before, 11 ms now).
+  std::unique_ptr<uint32_t[], void (*)(void*)> blocked{nullptr, std::free};
 
   int64_t block_start(int64_t b) const { return b * rows / blocks; }
   int rows_in(int64_t b) const { return static_cast<int>(block_start(b + 1) - block_start(b)); }
@@ -255,26 +311,38 @@ struct Activations {
   // blocks follow each other in memory in the order they are multiplied.
   const uint32_t* block(int64_t b, int64_t pair) const {
     const int64_t count = std::min(kChunkPairs, pairs - pair);
-    return blocked.data() + pair * rows + block_start(b) * count;
+    return blocked.get() + pair * rows + block_start(b) * count;
   }
 
-  // Lays the row-by-row pairs out by chunk and block (more than kFewRows rows only).
-  void interleave() {
-    blocked.resize(rows * pairs);
-    for (int64_t c0 = 0; c0 < pairs; c0 += kChunkPairs) {
-      const int64_t count = std::min(kChunkPairs, pairs - c0);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t v0 = block_start(b);
-        const int n = rows_in(b);
+  // Lays the row-by-row pairs out by chunk and block (more than kFewRows rows
+  // only), block by block: each block's rows are read front to back. Returns
+  // false when `check` and a nonzero magnitude is below kTinyActivation
+  // (bf16 x, checked as it is copied: a pass of its own over a 2048 x 14336
+  // x took 7.7 ms, the copy 6.5 ms).
+  bool interleave(bool check) {
+    blocked.reset(static_cast<uint32_t*>(huge_page_alloc(rows * pairs * sizeof(uint32_t))));
+    if (!blocked) throw std::bad_alloc();
+    __mmask32 too_small = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint32_t* in = row(block_start(b));
+      for (int64_t c0 = 0; c0 < pairs; c0 += kChunkPairs) {
+        const int64_t count = std::min(kChunkPairs, pairs - c0);
         uint32_t* out = const_cast<uint32_t*>(block(b, c0));
-        const uint32_t* in[kMaxRows];
-        for (int r = 0; r < n; ++r) in[r] = row(v0 + r) + c0;
-        for (int64_t i = 0; i < count; ++i, out += n)
-          for (int r = 0; r < n; ++r) out[r] = in[r][i];
+        switch (rows_in(b)) {  // kMaxRows / 2 + 1 to kMaxRows rows, unless fewer in all
+          case 5: too_small |= interleave_rows<5>(in + c0, pairs, count, out); break;
+          case 6: too_small |= interleave_rows<6>(in + c0, pairs, count, out); break;
+          case 7: too_small |= interleave_rows<7>(in + c0, pairs, count, out); break;
+          case 8: too_small |= interleave_rows<8>(in + c0, pairs, count, out); break;
+          case 9: too_small |= interleave_rows<9>(in + c0, pairs, count, out); break;
+          case 10: too_small |= interleave_rows<10>(in + c0, pairs, count, out); break;
+          case 11: too_small |= interleave_rows<11>(in + c0, pairs, count, out); break;
+          default: too_small |= interleave_rows<12>(in + c0, pairs, count, out); break;
+        }
       }
     }
     data = std::vector<uint32_t>();
     base = nullptr;
+    return !(check && too_small);
   }
 
   void shape(int parts_, int64_t M, int64_t Kp) {
@@ -345,11 +413,12 @@ int split_activations(const LinearProblem& p, int parts, Activations& a) {
 
 // bf16 x ([M][K], K even or odd) as the one part: used as it is when K is
 // even and x is 4-byte aligned, else copied with a zero pad. False when a
-// nonzero |x| is below kTinyActivation.
+// nonzero |x| is below kTinyActivation; with more than kFewRows rows that is
+// left to Activations::interleave, which reads x anyway.
 bool take_bf16_activations(const LinearProblem& p, Activations& a) {
   const int64_t M = p.M, K = p.K, Kp = p.Kp;
   const uint16_t* x = p.x_bf16;
-  const int64_t total = M * K;
+  const int64_t total = M <= kFewRows ? M * K : 0;
   const __m512i magnitude = _mm512_set1_epi16(0x7fff);
   const __m512i tiny = _mm512_set1_epi16(static_cast<short>((127 - 80) << 7));  // bf16 bits of 2^-80
   __mmask32 too_small = 0;
@@ -424,7 +493,6 @@ void tile_few_rows(const LinearProblem& p, const Tables& tb, int64_t t, const ui
 
 using FewRowsFn = void (*)(const LinearProblem&, const Tables&, int64_t, const uint32_t*, int64_t, float* const*,
                            const int64_t*);
-constexpr int kFewRows = 4;
 constexpr FewRowsFn kFewRowsFns[2][kFewRows + 1] = {
     {nullptr, tile_few_rows<1, false>, tile_few_rows<2, false>, tile_few_rows<3, false>, tile_few_rows<4, false>},
     {nullptr, tile_few_rows<1, true>, tile_few_rows<2, true>, tile_few_rows<3, true>, tile_few_rows<4, true>}};
@@ -563,11 +631,77 @@ inline bool stores_directly(const LinearProblem& p, const Activations& a) {
 }
 
 
-// Returns true when it wrote the output rows itself (stores_directly), false
-// when they are left in acc for store_lanes.
+// Row groups and K segments. Each group of tiles reads every row block's
+// activations once; with more activations than the cache keeps between two
+// groups (this 2-core Zen 5's share of a shared L3: about 5 MB, measured),
+// every group read them from memory. Before the two changes below (one
+// thread, same-process medians against bf16 F.linear): 256 x 14336 (rows x
+// K, N = 4096) 0.82-0.93x, 512 x 14336 0.84x, 2048 x 4096 0.82-0.86x. So:
+// - past kCachedBytes of activations of one part (the parts of a row must
+//   meet in its sums), the rows go in groups that each go through every tile
+//   (the weights are read and converted again per group): as many rows as
+//   keep a group's activations within kCachedBytes, kMinGroupRows to
+//   kMaxGroupRows. At K = 4096, 256-row groups measured best of 128-512.
+// - past kCachedBytes of a group's activations (several parts, or a K so
+//   long that kMinGroupRows outgrow it), its tiles go through K a segment
+//   (of up to kSegmentBytes) at a time, all the tiles of a span before the
+//   next segment, keeping their sums in lane order until the last. (At
+//   K = 14336 this and 256-row groups measured as fast as groups that fit.)
+// After: 0.96-0.99x at K = 14336 for 256-2048 rows, 0.97-1.01x at 2048 x
+// 4096. Either way each sum gets the same additions in the same order: the
+// same bits.
+constexpr int64_t kCachedBytes = int64_t(4) << 20;
+constexpr int64_t kMinGroupRows = 96;
+constexpr int64_t kMaxGroupRows = 256;
+constexpr int64_t kSegmentBytes = int64_t(2) << 20;
+constexpr int64_t kSpanBytes = int64_t(8) << 20;  // lane-order sums of a span's tiles
+
+// How many row groups the rows go in.
+inline int64_t row_group_count(const Activations& a) {
+  if (a.parts != 1 || a.rows * a.pairs * 4 <= kCachedBytes) return 1;
+  const int64_t rows = std::clamp(kCachedBytes / (a.pairs * 4), kMinGroupRows, kMaxGroupRows);
+  return (a.rows + rows - 1) / rows;
+}
+
+// The register blocks [b_begin, b_end) of a row group, and the output rows
+// [m0, m0 + rows) its lane-order sums hold (with more than one part, the one
+// group of all blocks and every output row).
+struct RowGroup {
+  int64_t b_begin, b_end, m0, rows;
+  int64_t virtual_rows(const Activations& a) const { return a.block_start(b_end) - a.block_start(b_begin); }
+};
+
+// Row group g of `count`, of as even sizes as they can be.
+inline RowGroup row_group(const LinearProblem& p, const Activations& a, int64_t g, int64_t count) {
+  if (count == 1) return {0, a.blocks, 0, p.M};
+  const int64_t b0 = g * a.blocks / count, b1 = (g + 1) * a.blocks / count;
+  return {b0, b1, a.block_start(b0), a.block_start(b1) - a.block_start(b0)};  // one part: virtual row = output row
+}
+
+// Pairs a segment covers (whole chunks), or all of them when the group's
+// activations stay in the cache or its rows are few (tile_few_rows goes
+// through K at once).
+inline int64_t segment_pairs(const Activations& a, const RowGroup& g) {
+  const int64_t rows = g.virtual_rows(a);
+  if (rows <= kFewRows || rows * a.pairs * 4 <= kCachedBytes) return a.pairs;
+  return std::max<int64_t>(1, kSegmentBytes / (rows * 4 * kChunkPairs)) * kChunkPairs;
+}
+
+// Tiles whose sums are kept together across the K segments (a multiple of
+// `group`); one group when K is not segmented.
+inline int64_t span_tiles(const Activations& a, const RowGroup& g, int64_t segment, int64_t group) {
+  if (segment >= a.pairs) return group;
+  return std::max<int64_t>(1, kSpanBytes / (g.rows * kTileN * 4 * group)) * group;
+}
+
+// Writes the output rows itself when stores_directly, else leaves their sums
+// in acc ([tiles][g.rows][32]) for store_lanes. Only the register blocks of
+// row group g, and with many rows only the pairs [c_begin, c_end) (a K
+// segment, see segment_pairs): acc starts at zero with the first segment and
+// gathers the others' sums.
 template <bool Block>
-bool tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, int64_t t0, int64_t tiles,
-                __m512i* panels, float* acc, ChunkRuns& runs) {
+void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, const RowGroup& g, int64_t t0,
+                int64_t tiles, __m512i* panels, float* acc, ChunkRuns& runs, int64_t c_begin, int64_t c_end) {
   const int64_t pairs = a.pairs;
   const int64_t tile_bytes = pairs * kGroupBytes;
   const bool fused = fuses(a);
@@ -582,30 +716,30 @@ bool tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
       }
       fill_channel_mult(p, t0 + j, false, mult[j]);
     }
-    for (int64_t b = 0; b < a.blocks; ++b) {
+    for (int64_t b = g.b_begin; b < g.b_end; ++b) {
       const int64_t v0 = a.block_start(b);
       for (int64_t j = 0; j < tiles; ++j) {
         // The last row block asks for the next group's tile (see below).
-        const uint8_t* next = b == a.blocks - 1 ? w + (tiles + j) * tile_bytes : nullptr;
+        const uint8_t* next = b == g.b_end - 1 ? w + (tiles + j) * tile_bytes : nullptr;
         const BlockWeights bw{fused ? static_cast<const void*>(w + j * tile_bytes) : panels + j * 2 * kChunkPairs, &tb};
         kPanelStore[fused][a.rows_in(b)](p, bw, a.block(b, 0), pairs, v0, t0 + j, mult[j], next);
       }
     }
-    return true;
+    return;
   }
-  std::fill(acc, acc + tiles * p.M * kTileN, 0.0f);
-  if (a.rows <= kFewRows) {
+  if (c_begin == 0) std::fill(acc, acc + tiles * g.rows * kTileN, 0.0f);
+  if (a.rows <= kFewRows) {  // one row group of every row
     for (int64_t j = 0; j < tiles; ++j) {
       float* acc_rows[kFewRows];
       for (int r = 0; r < a.rows; ++r) acc_rows[r] = acc + (j * p.M + a.output_row[r]) * kTileN;
       kFewRowsFns[Block][a.rows](p, tb, t0 + j, a.row(0), pairs, acc_rows, a.output_row.data());
     }
-    return false;
+    return;
   }
   const uint8_t* w = p.w + t0 * tile_bytes;
   const bool grouped = p.group_scale != nullptr;
-  for (int64_t c0 = 0; c0 < pairs;) {
-    const int64_t count = std::min(kChunkPairs, pairs - c0);
+  for (int64_t c0 = c_begin; c0 < c_end;) {
+    const int64_t count = std::min(kChunkPairs, c_end - c0);
     runs.count = 0;
     for (int64_t r0 = c0, r1; r0 < c0 + count; r0 = r1) {
       r1 = std::min(c0 + count, segment_end<Block>(p, r0, pairs));
@@ -624,7 +758,7 @@ bool tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
         }
       }
     }
-    for (int64_t b = 0; b < a.blocks; ++b) {
+    for (int64_t b = g.b_begin; b < g.b_end; ++b) {
       const int64_t v0 = a.block_start(b);
       const int rows = a.rows_in(b);
       if (grouped) {
@@ -635,23 +769,23 @@ bool tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
       }
       for (int64_t j = 0; j < tiles; ++j) {
         float* acc_rows[kMaxRows];
-        for (int r = 0; r < rows; ++r) acc_rows[r] = acc + (j * p.M + a.output_row[v0 + r]) * kTileN;
+        for (int r = 0; r < rows; ++r) acc_rows[r] = acc + (j * g.rows + a.output_row[v0 + r] - g.m0) * kTileN;
         // The last row block asks for each tile's next chunk (after the
-        // last, the first of the tile a group further), a line per k pair,
-        // so that it streams in while this one is multiplied. From the
-        // first, the lines waited through every block and had partly left
-        // L2 again: 2 % slower at M = 256.
-        const uint8_t* next = w + j * tile_bytes + (c0 + count < pairs ? (c0 + count) * kGroupBytes : tiles * tile_bytes);
+        // segment's last, its first in the tile a group further), a line per
+        // k pair, so that it streams in while this one is multiplied. From
+        // the first, the lines waited through every block and had partly
+        // left L2 again: 2 % slower at M = 256.
+        const uint8_t* next = w + j * tile_bytes +
+                              (c0 + count < c_end ? (c0 + count) * kGroupBytes : tiles * tile_bytes + c_begin * kGroupBytes);
         const void* weights = w + j * tile_bytes + c0 * kGroupBytes;
         const BlockWeights bw{fused ? weights : panels + j * 2 * kChunkPairs, &tb};
         kPanelRows[fused][rows](bw, a.block(b, c0), acc_rows, runs.count, runs.end.data(),
                                 Block ? runs.lane.data() + j * kChunkPairs * 2 : nullptr,
-                                grouped ? runs.row.data() : nullptr, b == a.blocks - 1 ? next : nullptr);
+                                grouped ? runs.row.data() : nullptr, b == g.b_end - 1 ? next : nullptr);
       }
     }
     c0 += count;
   }
-  return false;
 }
 
 }  // namespace
@@ -667,7 +801,7 @@ std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p) {
     if (parts == 0) return nullptr;
     if (parts > 1) bf16::split_activations(p, parts, *a);
   }
-  if (a->rows > bf16::kFewRows) a->interleave();
+  if (a->rows > bf16::kFewRows && !a->interleave(p.x_bf16 != nullptr)) return nullptr;
   return a;
 }
 
@@ -680,28 +814,49 @@ void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, i
   static const bf16::Tables tables[3] = {bf16::make_tables(kE4M3FN), bf16::make_tables(kE5M2),
                                          bf16::make_tables(kE4M3FNUZ)};
   const bf16::Tables& tb = tables[p.format];
-  // Grouped tiles only when the activations outgrow L2 (measured: no gain
-  // below, and 16-row calls slowed by a few %).
-  const bool large = a.rows * a.pairs * 4 > (int64_t(512) << 10);
-  const int64_t group = std::min<int64_t>(large ? bf16::kGroupTiles : 1, tile_end - tile_begin);
   // Panels: 64 KB a tile, 64-byte aligned, for more than kFewRows rows.
   const bool panel = a.rows > bf16::kFewRows && !bf16::fuses(a);
-  std::vector<float> panel_storage(panel ? group * 2 * bf16::kChunkPairs * 16 + 16 : 0);
-  __m512i* panels = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) & ~uintptr_t(63));
-  std::vector<float> lanes(bf16::stores_directly(p, a) ? 0 : group * p.M * kTileN);
+  std::vector<float> panel_storage;
   float mult[kTileN];
   const bool block = p.scale_kind == kScaleBlock;
   bf16::ChunkRuns runs;  // a chunk has at most one run per pair
   runs.end.resize(bf16::kChunkPairs);
-  if (block) runs.lane.resize(group * bf16::kChunkPairs * 2);
+  if (block) runs.lane.resize(bf16::kGroupTiles * bf16::kChunkPairs * 2);  // the most tiles a group has
   if (p.group_scale) runs.row.resize(bf16::kChunkPairs * bf16::kMaxRows);
-  for (int64_t t0 = tile_begin; t0 < tile_end; t0 += group) {
-    const int64_t tiles = std::min(group, tile_end - t0);
-    const bool stored = block ? bf16::tile_group<true>(p, tb, a, t0, tiles, panels, lanes.data(), runs)
-                              : bf16::tile_group<false>(p, tb, a, t0, tiles, panels, lanes.data(), runs);
-    for (int64_t j = 0; j < tiles && !stored; ++j) {
-      fill_channel_mult(p, t0 + j, block, mult);
-      for (int64_t m = 0; m < p.M; ++m) bf16::store_lanes(p, m, t0 + j, lanes.data() + (j * p.M + m) * kTileN, mult);
+  const bool stores = bf16::stores_directly(p, a);
+  std::vector<float> lanes;
+  const int64_t row_groups = bf16::row_group_count(a);
+  for (int64_t r = 0; r < row_groups; ++r) {
+    const bf16::RowGroup g = bf16::row_group(p, a, r, row_groups);
+    // Grouped tiles only when the activations outgrow L2 (measured: no gain
+    // below, and 16-row calls slowed by a few %).
+    const bool large = g.virtual_rows(a) * a.pairs * 4 > (int64_t(512) << 10);
+    const int64_t group = std::min<int64_t>(large ? bf16::kGroupTiles : 1, tile_end - tile_begin);
+    const int64_t segment = bf16::segment_pairs(a, g);
+    const int64_t span = std::min(bf16::span_tiles(a, g, segment, group), tile_end - tile_begin);
+    if (!stores) lanes.resize(std::max<size_t>(lanes.size(), span * g.rows * kTileN));
+    if (panel) panel_storage.resize(std::max<size_t>(panel_storage.size(), group * 2 * bf16::kChunkPairs * 16 + 16));
+    __m512i* panels = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(panel_storage.data()) + 63) & ~uintptr_t(63));
+    for (int64_t s0 = tile_begin; s0 < tile_end; s0 += span) {
+      const int64_t s1 = std::min(s0 + span, tile_end);
+      for (int64_t c = 0; c < a.pairs; c += segment) {
+        const int64_t c_end = std::min(c + segment, a.pairs);
+        for (int64_t t0 = s0; t0 < s1; t0 += group) {
+          const int64_t tiles = std::min(group, s1 - t0);
+          float* acc = stores ? nullptr : lanes.data() + (t0 - s0) * g.rows * kTileN;
+          if (block) {
+            bf16::tile_group<true>(p, tb, a, g, t0, tiles, panels, acc, runs, c, c_end);
+          } else {
+            bf16::tile_group<false>(p, tb, a, g, t0, tiles, panels, acc, runs, c, c_end);
+          }
+        }
+      }
+      for (int64_t t = s0; t < s1 && !stores; ++t) {
+        fill_channel_mult(p, t, block, mult);
+        for (int64_t m = 0; m < g.rows; ++m) {
+          bf16::store_lanes(p, g.m0 + m, t, lanes.data() + ((t - s0) * g.rows + m) * kTileN, mult);
+        }
+      }
     }
   }
 }

@@ -54,6 +54,20 @@
 #include "kernel.h"
 
 namespace qfp8 {
+
+// A buffer aligned to 2 MiB and, on Linux, advised for transparent huge
+// pages before its first touch (kernel.h).
+void* huge_page_alloc(size_t nbytes) {
+  constexpr size_t kHugePage = size_t{2} << 20;
+  void* data = nullptr;
+  if (posix_memalign(&data, kHugePage, std::max<size_t>(nbytes, 1)) != 0) return nullptr;
+#if defined(MADV_HUGEPAGE)
+  const size_t whole = nbytes / kHugePage * kHugePage;
+  if (whole > 0) madvise(data, whole, MADV_HUGEPAGE);  // advice only: failure is harmless
+#endif
+  return data;
+}
+
 namespace {
 
 // ---------------------------------------------------------------- ISA table
@@ -563,25 +577,16 @@ void scaled_linear_cpu_into(at::Tensor out, const at::Tensor& x, const at::Tenso
                      parse_activation(activation), activation_dtype);
 }
 
-// A byte buffer for a packed weight, aligned to 2 MiB and, on Linux, advised
-// for transparent huge pages before its first touch. A matrix-vector product
+// A byte buffer for a packed weight (huge_page_alloc). A matrix-vector product
 // streams the whole weight once per call; with 4 KiB pages every page costs a
 // TLB miss and the hardware prefetchers stop at each page boundary. Only the
 // whole 2 MiB pages are advised, so the tail never faults in a page past the
 // data. Where THP is disabled the advice is ignored and the buffer is an
 // ordinary aligned allocation.
-constexpr int64_t kHugePage = int64_t{2} << 20;
-
 at::Tensor empty_hugepage(int64_t nbytes) {
   TORCH_CHECK(nbytes >= 0, "qfp8::_cpu_empty_hugepage: nbytes must be non-negative, got ", nbytes);
-  void* data = nullptr;
-  if (posix_memalign(&data, static_cast<size_t>(kHugePage), static_cast<size_t>(std::max<int64_t>(nbytes, 1))) != 0) {
-    TORCH_CHECK(false, "qfp8::_cpu_empty_hugepage: could not allocate ", nbytes, " bytes");
-  }
-#if defined(MADV_HUGEPAGE)
-  const int64_t whole = nbytes / kHugePage * kHugePage;
-  if (whole > 0) madvise(data, static_cast<size_t>(whole), MADV_HUGEPAGE);  // advice only: failure is harmless
-#endif
+  void* data = huge_page_alloc(static_cast<size_t>(nbytes));
+  TORCH_CHECK(data != nullptr, "qfp8::_cpu_empty_hugepage: could not allocate ", nbytes, " bytes");
   return at::from_blob(data, {nbytes}, [](void* p) { std::free(p); }, at::TensorOptions().dtype(at::kByte));
 }
 
