@@ -290,8 +290,10 @@ struct Activations {
   int64_t rows = 0;  // M * parts
   int64_t pairs = 0;
   int64_t blocks = 1;
-  std::vector<uint32_t> data;       // the pairs, unless x (bf16, even K) is used as it is
-  const uint32_t* base = nullptr;   // data.data() or x
+  // The pairs, unless x (bf16, even K) is used as it is; like `blocked`
+  // below, in huge pages and not zeroed (allocate).
+  std::unique_ptr<uint32_t[], void (*)(void*)> data{nullptr, std::free};
+  const uint32_t* base = nullptr;   // data or x
   std::vector<int64_t> output_row;  // [rows]: the row of x (and of y) of virtual row v
   // More than kFewRows rows: [chunk][block][pair][row], each register block's
   // rows side by side at each pair, so that the block's broadcasts at one pair
@@ -302,6 +304,12 @@ struct Activations {
   // zeroed first: page faults and zeroing had cost more than the copy
   // (2048 x 14336, 58 MB: the call's preparation 46 ms before, 11 ms now).
   std::unique_ptr<uint32_t[], void (*)(void*)> blocked{nullptr, std::free};
+
+  static std::unique_ptr<uint32_t[], void (*)(void*)> allocate(int64_t count) {
+    std::unique_ptr<uint32_t[], void (*)(void*)> buffer{static_cast<uint32_t*>(huge_page_alloc(count * 4)), std::free};
+    if (!buffer) throw std::bad_alloc();
+    return buffer;
+  }
 
   int64_t block_start(int64_t b) const { return b * rows / blocks; }
   int rows_in(int64_t b) const { return static_cast<int>(block_start(b + 1) - block_start(b)); }
@@ -320,8 +328,7 @@ struct Activations {
   // (bf16 x, checked as it is copied: a pass of its own over a 2048 x 14336
   // x took 7.7 ms, the copy 6.5 ms).
   bool interleave(bool check) {
-    blocked.reset(static_cast<uint32_t*>(huge_page_alloc(rows * pairs * sizeof(uint32_t))));
-    if (!blocked) throw std::bad_alloc();
+    blocked = allocate(rows * pairs);
     __mmask32 too_small = 0;
     for (int64_t b = 0; b < blocks; ++b) {
       const uint32_t* in = row(block_start(b));
@@ -340,7 +347,7 @@ struct Activations {
         }
       }
     }
-    data = std::vector<uint32_t>();
+    data.reset();
     base = nullptr;
     return !(check && too_small);
   }
@@ -379,8 +386,8 @@ inline __mmask16 lanes_below(int64_t count) {
 int split_activations(const LinearProblem& p, int parts, Activations& a) {
   const int64_t M = p.M, Kp = p.Kp;
   a.shape(parts, M, Kp);
-  a.data.resize(a.rows * a.pairs);
-  a.base = a.data.data();
+  a.data = Activations::allocate(a.rows * a.pairs);  // every pair is written below
+  a.base = a.data.get();
   const __m512 tiny = _mm512_set1_ps(kTinyActivation);
   const __m512 zero = _mm512_setzero_ps();
   const __m512 largest = _mm512_set1_ps(0x1.fffffep127f), bf16_max = _mm512_set1_ps(0x1.fep127f);
@@ -403,7 +410,7 @@ int split_activations(const LinearProblem& p, int parts, Activations& a) {
       for (int part = 0; part < parts; ++part) {
         // Each part is exact in bf16, so the conversion only packs it.
         const __m512i bf = (__m512i)_mm512_cvtne2ps_pbh(hi[part], lo[part]);
-        _mm512_mask_storeu_epi32(a.data.data() + (part * M + m) * a.pairs + k / 2, pairs_valid, bf);
+        _mm512_mask_storeu_epi32(a.data.get() + (part * M + m) * a.pairs + k / 2, pairs_valid, bf);
       }
     }
   }
@@ -433,9 +440,13 @@ bool take_bf16_activations(const LinearProblem& p, Activations& a) {
     a.base = reinterpret_cast<const uint32_t*>(x);
     return true;
   }
-  a.data.assign(a.rows * a.pairs, 0);
-  for (int64_t m = 0; m < M; ++m) std::memcpy(a.data.data() + m * a.pairs, x + m * K, K * sizeof(uint16_t));
-  a.base = a.data.data();
+  a.data = Activations::allocate(a.rows * a.pairs);
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* row = reinterpret_cast<uint16_t*>(a.data.get() + m * a.pairs);
+    std::memcpy(row, x + m * K, K * sizeof(uint16_t));
+    if (Kp > K) row[K] = 0;  // the pad of an odd K
+  }
+  a.base = a.data.get();
   return true;
 }
 
