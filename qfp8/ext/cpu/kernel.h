@@ -76,10 +76,11 @@ void linear_tiles_avx512bf16(const LinearProblem& p, int64_t tile_begin, int64_t
 using LinearPrepareFn = std::shared_ptr<const void> (*)(const LinearProblem&);
 std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p);
 
-// nbytes of memory, not initialized, 2 MiB-aligned and advised for
-// transparent huge pages (whole 2 MiB pages only) before its first touch;
-// release with std::free. Null when it cannot be had. (ops.cpp: packed
-// weights, the avx512bf16 kernel's laid-out activations.)
+// nbytes of memory, not initialized; from 2 MiB up 2 MiB-aligned and advised
+// for transparent huge pages (whole 2 MiB pages only) before its first
+// touch, below that 64-byte aligned. Release with std::free. Null when it
+// cannot be had. (ops.cpp: packed weights and activation buffers, the
+// avx512bf16 kernel's laid-out activations.)
 void* huge_page_alloc(size_t nbytes);
 // The AVX512 kernel's code on AVX2 (kernel_avx512emu.cpp): for tests only, never dispatched to.
 void linear_tiles_avx512emu(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
