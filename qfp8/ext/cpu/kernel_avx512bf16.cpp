@@ -55,6 +55,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <stdexcept>
 #include <vector>
 
 #define QFP8_AVX512_ENTRY linear_tiles_avx512bf16_float32
@@ -335,7 +336,9 @@ struct Activations {
       for (int64_t c0 = 0; c0 < pairs; c0 += kChunkPairs) {
         const int64_t count = std::min(kChunkPairs, pairs - c0);
         uint32_t* out = const_cast<uint32_t*>(block(b, c0));
-        switch (rows_in(b)) {  // kMaxRows / 2 + 1 to kMaxRows rows, unless fewer in all
+        // More than kFewRows rows in all: blocks of 5 to kMaxRows (12) rows.
+        static_assert(kMaxRows == 12, "one case per block size");
+        switch (rows_in(b)) {
           case 5: too_small |= interleave_rows<5>(in + c0, pairs, count, out); break;
           case 6: too_small |= interleave_rows<6>(in + c0, pairs, count, out); break;
           case 7: too_small |= interleave_rows<7>(in + c0, pairs, count, out); break;
@@ -343,7 +346,8 @@ struct Activations {
           case 9: too_small |= interleave_rows<9>(in + c0, pairs, count, out); break;
           case 10: too_small |= interleave_rows<10>(in + c0, pairs, count, out); break;
           case 11: too_small |= interleave_rows<11>(in + c0, pairs, count, out); break;
-          default: too_small |= interleave_rows<12>(in + c0, pairs, count, out); break;
+          case 12: too_small |= interleave_rows<12>(in + c0, pairs, count, out); break;
+          default: throw std::logic_error("qfp8: a register block of the avx512bf16 kernel holds 5 to 12 rows");
         }
       }
     }
