@@ -533,11 +533,28 @@ def test_group_activations_with_k_not_a_multiple_of_128_warn_for_transformers(ti
 
 
 def test_group_activations_with_aligned_k_save_without_warning(tiny, tmp_path, x):
+    """transformers runs each layer as qfp8 does (1 x 128 groups). Layer by layer on the same random input the
+    outputs agree to float32 sum order; through the model, where each layer's output is quantized again, a sum
+    order that differs (the AVX2 kernel's against transformers': 2.9e-3 of the logits on Zen 3; the scalar
+    kernel's: 1.4e-6) moves a few values across an FP8 rounding boundary, so the logits are held to 1e-2. Reading
+    the scales per token instead would be 6.7e-2 off (measured)."""
     model = tiny.model(**ALIGNED)
     qfp8.quantize(model, activations="dynamic", activation_scale="group")
     assert save(model, tmp_path) == []
+    loaded = tiny_transformers_load(tmp_path)
+    theirs = dict(loaded.named_modules())
+    generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        torch.testing.assert_close(tiny_transformers_load(tmp_path)(x).logits, model(x).logits, rtol=1e-4, atol=1e-4)
+        logits, ours = loaded(x).logits, model(x).logits  # (transformers' first forward sets its layers up)
+        assert (logits - ours).abs().max() <= 1e-2 * ours.abs().max()
+        checked = 0
+        for name, module in model.named_modules():
+            if isinstance(module, qfp8.QLinear):
+                h = torch.randn(2, 5, module.in_features, generator=generator)
+                y = module(h)
+                torch.testing.assert_close(theirs[name](h), y, rtol=1e-5, atol=1e-5 * y.abs().max().item())
+                checked += 1
+        assert checked == 14
 
 
 def test_an_uncalibrated_kv_cache_is_written_dynamic_with_a_warning(tiny, tmp_path, x):
