@@ -161,6 +161,11 @@ struct ShiftConvert {
   }
 };
 
+// Slot 8j + i (lane i of accumulator j) of the float32 route holds tile
+// channel 16 (j / 2) + 2i + j % 2: accumulators 2h and 2h + 1 collect the even
+// and the odd channels of chunk h (channels 16h .. 16h + 15).
+constexpr int slot_channel(int slot) { return 16 * (slot / 16) + 2 * (slot % 8) + (slot / 8) % 2; }
+
 // M == 1 on the float32 route, Tiles tiles side by side over k pairs
 // [pair0, pair1), each 32-byte load through ShiftConvert. Interleaved
 // microbenchmarks here (one thread): the 32-bit shift chain per byte (11
@@ -168,16 +173,14 @@ struct ShiftConvert {
 // loads per 16 bytes) from cold memory (16 MB weights); ShiftConvert's 16-bit
 // shifts are 1.12-1.14x more on L2-resident weights (7.5-9 bytes per TSC
 // cycle) and the same from cold memory (5 bytes per cycle, 12 GB/s), which
-// is the memory's rate, not the loop's. Accumulator j = 2h + odd
-// collects the odd (even) channels of chunks 2h, 2h + 1: slot 8j + i holds
-// tile channel slot_channel(8j + i). out[u] receives the slots in that order.
-// Two tiles keep the 8 accumulators, 2 x values and the mask in registers
-// (four spilled, 15 % slower); the prefetch keeps two streams busy enough.
-constexpr int slot_channel(int slot) {
-  return 8 * (2 * (slot / 16) + (slot % 8) / 4) + 2 * (slot % 4) + (slot / 8) % 2;
-}
-
-template <int Format, int Tiles>
+// is the memory's rate, not the loop's. out[u] receives tile u's sums in slot
+// order (see slot_channel). Two tiles keep the 8 accumulators, 2 x values and
+// the mask in registers (four spilled, 15 % slower); the prefetch keeps two
+// streams busy enough. With Cross, each stream's prefetch goes on past its
+// own tile's end into the tile it takes next (Tiles on), so that the next
+// call's streams start warm: at K = 576 (18 KB tiles) 1.07-1.15x in one
+// process on Zen 3, interleaved, none lost at K = 4096.
+template <int Format, int Tiles, bool Cross>
 void pairs_single_row_f32(const uint8_t* tile0, int64_t tile_bytes, const float* xs, int64_t pair0, int64_t pair1,
                           float (*out)[kTileN]) {
   const ShiftConvert<Format> convert;
@@ -190,10 +193,11 @@ void pairs_single_row_f32(const uint8_t* tile0, int64_t tile_bytes, const float*
   for (int64_t pair = pair0; pair < pair1; ++pair) {
     const __m256 x0 = _mm256_broadcast_ss(xs + 2 * pair);
     const __m256 x1 = _mm256_broadcast_ss(xs + 2 * pair + 1);
+    const int64_t ahead = Cross && pair * kGroupBytes + kPrefetchBytes >= tile_bytes ? (Tiles - 1) * tile_bytes : 0;
     for (int u = 0; u < Tiles; ++u) {
       // A few KB ahead of each stream: the hardware prefetcher alone leaves
       // gaps when several streams run side by side.
-      _mm_prefetch(reinterpret_cast<const char*>(g[u]) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g[u]) + kPrefetchBytes + ahead, _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {
         __m256 f[4];
         convert(g[u] + 32 * h, f);
@@ -204,42 +208,45 @@ void pairs_single_row_f32(const uint8_t* tile0, int64_t tile_bytes, const float*
     }
   }
   for (int u = 0; u < Tiles; ++u)
-    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out[u] + 8 * j, acc[u][j]);
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(out[u] + 8 * j, acc[u][j]);
+}
+
+// Block scales on the float32 route need bk even (see BlockLanes): the
+// lane scales of block `block` of tile t, in slot order.
+inline void fill_lane_slots(const LinearProblem& p, const BlockLanes& blocks, int64_t block, float* lane_slots) {
+  alignas(32) float lanes[kTileN];
+  blocks.fill(p, block, lanes);
+  for (int s = 0; s < kTileN; ++s) lane_slots[s] = lanes[slot_channel(s)];
 }
 
 // M == 1 on the float32 route (see the file comment), Tiles tiles at once.
 // xs is the pre-scaled activation; the sums come out in units of
 // 2^(E - 112) of the fp16 route's sums (times the lane scales for block
-// scales), in channel order, and are rescaled by the caller.
+// scales), in slot order, and are finished by store_slots_row.
 template <int Format, int Tiles>
 void tiles_single_row_f32(const LinearProblem& p, int64_t t0, const float* xs, float (*sums)[kTileN]) {
   const int64_t pairs = p.Kp / 2;
   const int64_t tile_bytes = pairs * kGroupBytes;
   const uint8_t* tile0 = p.w + t0 * tile_bytes;
-  alignas(32) float slots[Tiles][kTileN];
   if (p.scale_kind != kScaleBlock) {
-    pairs_single_row_f32<Format, Tiles>(tile0, tile_bytes, xs, 0, pairs, slots);
-    for (int u = 0; u < Tiles; ++u)
-      for (int s = 0; s < kTileN; ++s) sums[u][slot_channel(s)] = slots[u][s];
+    pairs_single_row_f32<Format, Tiles, true>(tile0, tile_bytes, xs, 0, pairs, sums);
     return;
   }
   // Block scales (see BlockLanes): each k block's sums are multiplied by
   // that block's lane scales as they are added to the totals.
-  alignas(32) float lanes[kTileN];
-  std::vector<BlockLanes> blocks;
-  for (int u = 0; u < Tiles; ++u) {
-    blocks.emplace_back(p, t0 + u);
-    std::fill(sums[u], sums[u] + kTileN, 0.0f);
-  }
-  const int64_t pairs_per_block = blocks[0].pairs_per_block;
+  alignas(32) float slots[Tiles][kTileN];
+  alignas(32) float lane_slots[kTileN];
+  static_assert(Tiles <= 2, "one BlockLanes per tile below");
+  const BlockLanes first(p, t0), second(p, t0 + Tiles - 1);
+  const BlockLanes* blocks[2] = {&first, &second};
+  for (int u = 0; u < Tiles; ++u) std::fill(sums[u], sums[u] + kTileN, 0.0f);
+  const int64_t pairs_per_block = first.pairs_per_block;
   for (int64_t pair0 = 0, block = 0; pair0 < pairs; pair0 += pairs_per_block, ++block) {
-    pairs_single_row_f32<Format, Tiles>(tile0, tile_bytes, xs, pair0, std::min(pairs, pair0 + pairs_per_block), slots);
+    pairs_single_row_f32<Format, Tiles, false>(tile0, tile_bytes, xs, pair0, std::min(pairs, pair0 + pairs_per_block),
+                                               slots);
     for (int u = 0; u < Tiles; ++u) {
-      blocks[u].fill(p, block, lanes);
-      for (int s = 0; s < kTileN; ++s) {
-        const int c = slot_channel(s);
-        sums[u][c] += slots[u][s] * lanes[c];
-      }
+      fill_lane_slots(p, *blocks[u], block, lane_slots);
+      for (int s = 0; s < kTileN; ++s) sums[u][s] += slots[u][s] * lane_slots[s];
     }
   }
 }
@@ -251,17 +258,16 @@ void tiles_single_row_f32(const LinearProblem& p, int64_t t0, const float* xs, f
 // three Llama-3-8B shapes. Halves 32-byte halves of each group per pass keep the
 // Rows x 2 Halves accumulators, the four converted vectors, the two x values
 // and the mask within the 16 ymm registers; a tile takes 2 / Halves passes
-// over its bytes (L2-resident). Totals are kept in slot order (see
-// slot_channel) and put in channel order at the end.
+// over its bytes (L2-resident). Totals come out in slot order (see
+// slot_channel), for store_slots_row.
 template <int Format, int Rows, int Halves>
-void tile_small_rows_f32(const LinearProblem& p, int64_t t, const float* const* xs, float (*sums)[kTileN]) {
+void tile_small_rows_f32(const LinearProblem& p, int64_t t, const float* const* xs, float (*totals)[kTileN]) {
   const ShiftConvert<Format> convert;
   const BlockLanes blocks(p, t);
   const bool block_scales = p.scale_kind == kScaleBlock;
   const int64_t pairs = p.Kp / 2;
-  alignas(32) float lanes[kTileN];
   alignas(32) float lane_slots[kTileN];
-  alignas(32) float totals[Rows][kTileN] = {};
+  for (int r = 0; r < Rows; ++r) std::fill(totals[r], totals[r] + kTileN, 0.0f);
   for (int h0 = 0; h0 < 2; h0 += Halves) {
     const uint8_t* g = p.w + t * pairs * kGroupBytes + 32 * h0;
     for (int64_t pair0 = 0, block = 0; pair0 < pairs; pair0 += blocks.pairs_per_block, ++block) {
@@ -282,10 +288,7 @@ void tile_small_rows_f32(const LinearProblem& p, int64_t t, const float* const* 
           }
         }
       }
-      if (block_scales) {
-        blocks.fill(p, block, lanes);
-        for (int s = 0; s < kTileN; ++s) lane_slots[s] = lanes[slot_channel(s)];
-      }
+      if (block_scales) fill_lane_slots(p, blocks, block, lane_slots);
       for (int r = 0; r < Rows; ++r) {
         for (int a = 0; a < 2 * Halves; ++a) {
           float* total = totals[r] + 8 * (2 * h0 + a);
@@ -296,8 +299,6 @@ void tile_small_rows_f32(const LinearProblem& p, int64_t t, const float* const* 
       }
     }
   }
-  for (int r = 0; r < Rows; ++r)
-    for (int s = 0; s < kTileN; ++s) sums[r][slot_channel(s)] = totals[r][s];
 }
 
 // The pre-scaled copy of row x (largest magnitude near 2^116) for the float32
@@ -316,6 +317,60 @@ inline Pow2 prescale_row(const float* x, int64_t K, float* xs) {
   return Pow2(112 - E);
 }
 
+// float32 -> bf16 bits of 8 lanes, as float_to_bf16_bits does each.
+inline __m128i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i high = _mm256_srli_epi32(u, 16);
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)))), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i bits = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+}
+
+// Finishes row m of tile t from its sums in slot order: brings them back by
+// `back`, multiplies by the channel multipliers (fill_channel_mult), then as
+// store_tile_row does. A full tile goes in registers, in the same order of
+// float32 operations as the scalar path, so the bits are the same; a tile
+// past N (and fp16 output with MXCSR.FTZ set, under which vcvtps2ph is not
+// documented to keep fp16 subnormals) goes through store_tile_row.
+inline void store_slots_row(const LinearProblem& p, int64_t m, int64_t t, const float* slots, const Pow2& back,
+                            bool folded) {
+  const int64_t n0 = t * kTileN;
+  if (n0 + kTileN > p.N || (p.out_dtype == kOutHalf && (_mm_getcsr() & 0x8000u))) {
+    alignas(32) float sums[kTileN];
+    float mult[kTileN];
+    for (int s = 0; s < kTileN; ++s) sums[slot_channel(s)] = back.apply(slots[s]);
+    fill_channel_mult(p, t, folded, mult);
+    store_tile_row(p, m, t, sums, mult);
+    return;
+  }
+  const __m256 first = _mm256_set1_ps(back.first), second = _mm256_set1_ps(back.second);
+  const __m256 factor = _mm256_set1_ps(p.format_factor);
+  const __m256 row = _mm256_set1_ps(p.row_scale ? p.row_scale[m] : 1.0f);
+  for (int h = 0; h < 2; ++h) {
+    // Even and odd channels of chunk h -> channels 16h .. 16h + 7 and 16h + 8 .. 16h + 15.
+    const __m256 even = _mm256_load_ps(slots + 16 * h), odd = _mm256_load_ps(slots + 16 * h + 8);
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    const __m256 in_order[2] = {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
+    for (int i = 0; i < 2; ++i) {
+      const int64_t n = n0 + 16 * h + 8 * i;
+      __m256 mult = _mm256_set1_ps(1.0f);
+      if (!folded)
+        mult = _mm256_mul_ps(p.scale_kind == kScaleTensor ? _mm256_set1_ps(p.scale[0]) : _mm256_loadu_ps(p.scale + n), factor);
+      __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(in_order[i], first), second), mult);
+      if (p.row_scale) v = _mm256_mul_ps(v, row);
+      if (p.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(p.bias + n));
+      if (p.out_dtype == kOutFloat) {
+        _mm256_storeu_ps(static_cast<float*>(p.out) + m * p.ldo + n, v);
+      } else {
+        const __m128i bits = p.out_dtype == kOutBFloat16 ? bf16_bits8(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p.out) + m * p.ldo + n), bits);
+      }
+    }
+  }
+}
+
 // M <= 4 on the float32 route: tensor and channel scales go into the
 // channel multipliers at the end, block scales into the block totals.
 template <int Format, int Rows>
@@ -329,31 +384,22 @@ void small_rows_f32(const LinearProblem& p, int64_t tile_begin, int64_t tile_end
     xs[r] = row;
   }
   alignas(32) float sums[Rows][kTileN];
-  float mult[kTileN];
   const bool folded = p.scale_kind == kScaleBlock;
   int64_t t = tile_begin;
   if (Rows == 1) {
     alignas(32) float tile_sums[kStreams][kTileN];
     for (; t + kStreams <= tile_end; t += kStreams) {
       tiles_single_row_f32<Format, kStreams>(p, t, xs[0], tile_sums);
-      for (int u = 0; u < kStreams; ++u) {
-        fill_channel_mult(p, t + u, folded, mult);
-        for (int64_t c = 0; c < kTileN; ++c) tile_sums[u][c] = back[0].apply(tile_sums[u][c]);
-        store_tile_row(p, 0, t + u, tile_sums[u], mult);
-      }
+      for (int u = 0; u < kStreams; ++u) store_slots_row(p, 0, t + u, tile_sums[u], back[0], folded);
     }
   }
   for (; t < tile_end; ++t) {
-    fill_channel_mult(p, t, folded, mult);
     if (Rows == 1) {
       tiles_single_row_f32<Format, 1>(p, t, xs[0], sums);
     } else {
       tile_small_rows_f32<Format, Rows, Rows == 2 ? 2 : 1>(p, t, xs, sums);
     }
-    for (int r = 0; r < Rows; ++r) {
-      for (int64_t c = 0; c < kTileN; ++c) sums[r][c] = back[r].apply(sums[r][c]);
-      store_tile_row(p, r, t, sums[r], mult);
-    }
+    for (int r = 0; r < Rows; ++r) store_slots_row(p, r, t, sums[r], back[r], folded);
   }
 }
 
