@@ -32,6 +32,7 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": AVX512_FLAGS,
     "avx512bf16": AVX512_FLAGS + ["-mavx512bf16", "-mavx512vbmi"],
+    "amx": AVX512_FLAGS + ["-mavx512bf16", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16"],
     # The AVX512 kernel's code with its 512-bit intrinsics done on two 256-bit
     # halves, so the tests run it on CPUs without AVX512 (kernel_avx512emu.cpp).
     "avx512emu": ["-mavx2", "-mfma", "-mf16c"],

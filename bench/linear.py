@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import glob
 import json
 import math
 import random
@@ -45,11 +46,39 @@ QUICK_MS = [1, 16]
 COLUMNS = ["bf16", "fp32", "qfp8_w8a16", "qfp8_w8a8", "dequant_bf16", "scaled_mm", "int8pack_mm"]
 FAST_ROUNDS = 5  # rounds multiplier of the methods within FAST_FACTOR of bf16
 FAST_FACTOR = 4.0
-LLC_BYTES = 32 << 20  # cold means: more than this many bytes touched between two calls of a method
+SLOW_CALL_S = 3.0  # a method whose first call takes longer is timed by that call alone (marked *)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports (sysfs), capped at 512 MB; 32 MB when it says nothing.
+
+    Cold means more than twice this many bytes touched between two calls of a
+    method. A VM may report a host's whole L3 (480 MB on one machine here,
+    whose streaming reads slowed from 27 to 17 GB/s only past 64-128 MB): the
+    reported size is taken anyway, so that the weights are cold for sure.
+    """
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text and text[-1] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return min(max(sizes), 512 << 20) if sizes else 32 << 20
+
+
+LLC_BYTES = last_level_cache_bytes()
+QUICK_LLC_BYTES = 32 << 20  # --quick: it only has to run, so it rotates over less memory
+cold_bytes = LLC_BYTES
 
 
 def copies_for(nbytes: int) -> int:
-    return max(2, math.ceil(2 * LLC_BYTES / max(nbytes, 1)) + 1)
+    return max(2, math.ceil(2 * cold_bytes / max(nbytes, 1)) + 1)
 
 
 def make_methods(k: int, n: int):
@@ -174,6 +203,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="*", metavar="KxN", help="only these shapes, e.g. 4096x4096")
     parser.add_argument("--ms", nargs="*", type=int, metavar="M", help="only these M")
     args = parser.parse_args(argv)
+    global cold_bytes
+    cold_bytes = min(LLC_BYTES, QUICK_LLC_BYTES) if args.quick else LLC_BYTES
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shapes, ms = (QUICK_SHAPES, QUICK_MS) if args.quick else (SHAPES, MS)
@@ -190,9 +221,10 @@ def main(argv=None) -> int:
     print("-" * len(header))
     for k, n in shapes:
         methods, m1_extras = make_methods(k, n)
-        for m in ms:
+        too_slow = set()  # methods over SLOW_CALL_S a call at a smaller M of this shape: not run again
+        for m in sorted(ms):
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            calls = dict(methods)
+            calls = {name: fns for name, fns in methods.items() if name not in too_slow}
             if m == 1:
                 calls.update(m1_extras)
             warm = {}
@@ -204,14 +236,28 @@ def main(argv=None) -> int:
             # their medians steady, at little cost beside the slow baselines
             # (dequantize-then-bf16 and _scaled_mm take 20-50x as long).
             rounds_of = {name: FAST_ROUNDS * rounds for name, t in warm.items() if t <= FAST_FACTOR * warm["bf16"]}
+            # A baseline slower than SLOW_CALL_S a call (torch._scaled_mm on
+            # CPU took 334 s at M = 256 on one machine here) is timed by its
+            # first call alone, marked * in the table.
+            single = {name for name, t in warm.items() if t > SLOW_CALL_S and name != "bf16"}
             # Small layers: bursts of calls (see measure); large ones: one call
             # per method per round (a burst of slow baselines would take minutes).
-            med = measure(calls, x, rounds, budget, burst=8 if n * k < (4 << 20) else 1, rounds_of=rounds_of)
+            timed = {name: fns for name, fns in calls.items() if name not in single}
+            med = measure(timed, x, rounds, budget, burst=8 if n * k < (4 << 20) else 1, rounds_of=rounds_of)
+            med.update({name: warm[name] for name in single})
+            too_slow |= single
             row = {"K": k, "N": n, "M": m, "threads": args.threads, "isa": cpu.cpu_kernel_isa()}
+            cells = []
             for c in COLUMNS:
+                if c not in med:  # over SLOW_CALL_S at a smaller M
+                    row[f"{c}_ms"] = row[f"{c}_vs_bf16"] = None
+                    cells.append(f"{'(slow)':>15}")
+                    continue
                 row[f"{c}_ms"] = med[c] * 1e3
                 row[f"{c}_vs_bf16"] = med["bf16"] / med[c]
-            cells = [f"{med[c] * 1e3:8.2f} {med['bf16'] / med[c]:5.2f}x" for c in COLUMNS]
+                if c in single:
+                    row[f"{c}_single_call"] = True
+                cells.append(f"{med[c] * 1e3:8.2f}{'*' if c in single else ' '}{med['bf16'] / med[c]:5.2f}x")
             extra = ""
             if m == 1:
                 row["w8a16_gbps"] = n * k / med["qfp8_w8a16"] / 1e9
@@ -228,7 +274,9 @@ def main(argv=None) -> int:
             print(f"{k:>6} {n:>6} {m:>4} | " + " | ".join(cells) + " | " + extra, flush=True)
             rows.append(row)
         del methods, m1_extras
-    print("cells: median ms and speed-up over torch bf16 F.linear (higher is better)")
+    print("cells: median ms and speed-up over torch bf16 F.linear (higher is better); * one call only (slower than")
+    print(f"{SLOW_CALL_S:g} s; not run at larger M: (slow)); cold: each method rotates over more than 2 x")
+    print(f"{cold_bytes >> 20} MB of weights")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"columns": COLUMNS, "rows": rows}, f, indent=1)

@@ -48,7 +48,7 @@ from qfp8.library.ops import ACTIVATION_MODES
 from qfp8.library.routing import KernelRequest, LinearKernel, register_kernel
 
 TILE_N = 32  # output channels per packed tile
-ISAS = ("avx512bf16", "avx512", "avx2", "scalar")
+ISAS = ("amx", "avx512bf16", "avx512", "avx2", "scalar")
 # Test-only variants, never chosen automatically: "avx512emu" is the AVX512
 # kernel's code with each 512-bit intrinsic done on two AVX2 halves, so that
 # the tests run that code (bitwise its results) on CPUs without AVX512.

@@ -394,6 +394,78 @@ def test_row_groups_and_k_segments_give_each_row_the_same_bits(
     assert rel_error(y, ref) <= TOLERANCE[x_dtype], f"M={m} K={k} {block_size} {activation}"
 
 
+@pytest.mark.parametrize("activation", ["none", "token", "group"], ids=lambda a: f"a-{a}")
+@pytest.mark.parametrize(
+    "block_size", [(), (128, 128), (4, 96), (64, 512), (16, 7)], ids=lambda b: "x".join(map(str, b)) or "channel"
+)
+@pytest.mark.parametrize(
+    "m, n, k, x_dtype",
+    [
+        (5, 33, 577, torch.bfloat16),
+        (17, 70, 1030, torch.float16),
+        (33, 1, 300, torch.bfloat16),
+        (48, 65, 2049, torch.float32),
+        (300, 150, 2100, torch.bfloat16),
+    ],
+    ids=["M5-K577", "M17-f16-K1030", "M33-N1", "M48-f32-K2049", "M300-K2100-grouped"],
+)  # fmt: skip
+def test_tile_products_rows_k_segments_and_scales(isa, m, n, k, x_dtype, block_size, activation):
+    """The amx kernel's tile route: 16-row blocks taken two at a time (M = 5, 17, 33, 48 leave a block of 16
+    alone or half full), K in 32-value steps with a zero tail, 256-value chunks, N tails (N = 1). Block scales and
+    1 x 128 group scales cut K into segments: 128 x 128 (one chunk each), 4 x 96 (3-step segments, 1-step with groups; 4-channel blocks differ inside a register), 64 x
+    512 (a segment over two chunks), 16 x 7 (odd k-blocks: that kernel hands the call to avx512bf16). Activations over
+    1 MB (M = 300) send up to 13 tiles through K together. Every ISA runs it; against float64."""
+    granularity = "block" if block_size else "channel"
+    q, scale = random_weight(n, k, torch.float8_e4m3fn, granularity, block_size or None)
+    x = (torch.randn(m, k) * torch.rand(m, 1).add(0.1)).to(x_dtype)
+    bias = torch.randn(n)
+    y = run_kernel(x, q, scale, bias, block_size, activation)
+    if activation == "none":
+        x_values = x
+    else:
+        xq, xs = formats.quantize_activation(x, torch.float8_e4m3fn, activation)
+        xs = xs.double()
+        x_values = formats.fp8_to_float(xq).double() * (
+            formats.expand_group_scale(xs, k) if activation == "group" else xs
+        )
+    ref = float64_reference(x_values, q, scale, bias, block_size)
+    err = rel_error(y, ref)
+    assert err <= TOLERANCE[x_dtype], f"{isa} M={m} N={n} K={k} block={block_size} {activation}: {err:.2e}"
+
+
+@pytest.mark.parametrize("m", [20, 300], ids=lambda m: f"M{m}")
+def test_many_rows_identical_across_thread_counts(isa, m):
+    """Two threads share a call's tiles; at M = 300 the amx kernel sends groups of tiles through K together, and a
+    thread's share of tiles cuts a group short: the bits must not change."""
+    q, scale = random_weight(700, 1100, torch.float8_e4m3fn, "block", (128, 128))
+    x = torch.randn(m, 1100, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(run_kernel(x, q, scale, None, (128, 128), "group"))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["x-bf16", "x-f32"])
+def test_tiny_rows_among_many(isa, x_dtype):
+    """bf16 and float32 rows of magnitude 1e-30 among 24 rows: tdpbf16ps (like vdpbf16ps) flushes products this
+    small against the smallest e5m2 weight, so the amx kernel must decline (to float32 products) for both the bf16
+    activations it takes as they are and the float32 ones it splits."""
+    q, scale = random_weight(40, 130, torch.float8_e5m2, "channel")
+    q[:, ::3] = torch.tensor(1, dtype=torch.uint8).view(torch.float8_e5m2)  # 2^-16
+    row_scales = torch.tensor([1.0, 1e-30] * 12)
+    x = (torch.randn(24, 130) * row_scales[:, None]).to(x_dtype)
+    y = run_kernel(x, q, scale, None).double()
+    ref = float64_reference(x, q, scale, None, ())
+    for row in range(24):
+        err = ((y[row] - ref[row]).abs().max() / ref[row].abs().max()).item()
+        assert err <= TOLERANCE[x_dtype], f"{isa} row {row} of scale {row_scales[row]:g}: {err:.2e}"
+
+
 @pytest.mark.parametrize("m", [1, 3, 20], ids=lambda m: f"M{m}")
 def test_activations_below_bf16_dot_product_range(isa, m):
     """Rows of magnitude 1e-30 and 1e-40 (float32 subnormal) beside ordinary rows, against the smallest weights of

@@ -75,6 +75,10 @@ void linear_tiles_avx512bf16(const LinearProblem& p, int64_t tile_begin, int64_t
 // it as LinearProblem::prepared. Null means the ISA's tiles go without.
 using LinearPrepareFn = std::shared_ptr<const void> (*)(const LinearProblem&);
 std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p);
+// AMX (kernel_amx.cpp): tile products past 4 virtual rows, the avx512bf16
+// kernel below; its preparation wraps that kernel's when it hands over.
+void linear_tiles_amx(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
+std::shared_ptr<const void> prepare_amx(const LinearProblem& p);
 
 // nbytes of memory, not initialized; from 2 MiB up 2 MiB-aligned and advised
 // for transparent huge pages (whole 2 MiB pages only) before its first

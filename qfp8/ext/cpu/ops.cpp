@@ -42,12 +42,18 @@
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #endif
 
 #include "bindings.h"
@@ -92,16 +98,44 @@ bool has_avx512() {
 bool has_avx512bf16() {
   return has_avx512() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
 }
+// AMX-BF16 and AMX-TILE (CPUID 7.0 EDX bits 22 and 24), the tile state
+// enabled in XCR0 (bits 17 and 18), and, on Linux, this process granted
+// the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, once; kernels before 5.16
+// refuse it, and then AMX is not used). Asked only on AVX512-BF16 CPUs.
+bool amx_granted() {
+#if defined(__linux__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1u)) return false;  // OSXSAVE
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if (((lo >> 17) & 3u) != 3u) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+bool has_amx() {
+  static const bool granted = has_avx512bf16() && amx_granted();
+  return granted;
+}
 #else
 bool has_avx2() { return false; }
 bool has_avx512() { return false; }
 bool has_avx512bf16() { return false; }
+bool has_amx() { return false; }
 #endif
 bool has_scalar() { return true; }
 
 // Best first. An ISA is usable when it was compiled (the build defines
 // QFP8_HAVE_<ISA> only if its translation unit compiled) and the CPU has it.
 const IsaEntry kIsas[] = {
+#if defined(QFP8_HAVE_AMX) && defined(QFP8_HAVE_AVX512BF16)  // up to 4 virtual rows it is the avx512bf16 kernel
+    {"amx", linear_tiles_amx, has_amx, prepare_amx},
+#else
+    {"amx", nullptr, has_amx},
+#endif
 #ifdef QFP8_HAVE_AVX512BF16
     {"avx512bf16", linear_tiles_avx512bf16, has_avx512bf16, prepare_avx512bf16},
 #else
@@ -132,7 +166,7 @@ const IsaEntry kAvx512Emulated = {"avx512emu", nullptr, has_avx2};
 const IsaEntry* best_isa() {
   for (const auto& isa : kIsas)
     if (isa.fn && isa.cpu_has()) return &isa;
-  return &kIsas[3];
+  return &kIsas[std::size(kIsas) - 1];  // scalar
 }
 
 std::atomic<const IsaEntry*> g_isa{nullptr};
@@ -167,7 +201,7 @@ std::vector<std::string> emulated_isas() {
 }
 
 void set_isa(c10::string_view name) {
-  for (const IsaEntry* entry : {&kIsas[0], &kIsas[1], &kIsas[2], &kIsas[3], &kAvx512Emulated}) {
+  for (const IsaEntry* entry : {&kIsas[0], &kIsas[1], &kIsas[2], &kIsas[3], &kIsas[4], &kAvx512Emulated}) {
     const IsaEntry& isa = *entry;
     if (name == isa.name) {
       TORCH_CHECK(isa.fn, "qfp8: CPU kernel ISA '", std::string(name), "' was not compiled into this build");
@@ -176,7 +210,7 @@ void set_isa(c10::string_view name) {
       return;
     }
   }
-  TORCH_CHECK(false, "qfp8: unknown CPU kernel ISA '", std::string(name), "'; expected avx512bf16, avx512, avx2 or scalar");
+  TORCH_CHECK(false, "qfp8: unknown CPU kernel ISA '", std::string(name), "'; expected amx, avx512bf16, avx512, avx2 or scalar");
 }
 
 std::string get_isa() { return current_isa().name; }
@@ -187,13 +221,17 @@ std::string get_isa() { return current_isa().name; }
 // grid search, activation quantization) come in a scalar and an AVX2
 // version; every vector ISA uses the AVX2 one, the scalar ISA the scalar.
 // The activation helpers also come in an AVX512 version (in the avx512bf16
-// unit), which the avx512bf16 ISA uses.
+// unit), which the avx512bf16 and amx ISAs use.
 #ifdef QFP8_HAVE_AVX2
 #define QFP8_HELPER_FOR_CURRENT_ISA(name) (current_isa().fn != linear_tiles_scalar ? name##_avx2 : name##_scalar)
 #else
 #define QFP8_HELPER_FOR_CURRENT_ISA(name) (name##_scalar)
 #endif
-#ifdef QFP8_HAVE_AVX512BF16
+#if defined(QFP8_HAVE_AMX) && defined(QFP8_HAVE_AVX512BF16)
+#define QFP8_ACTIVATION_HELPER_FOR_CURRENT_ISA(name)                                                    \
+  (current_isa().fn == linear_tiles_avx512bf16 || current_isa().fn == linear_tiles_amx ? name##_avx512bf16 \
+                                                                                      : QFP8_HELPER_FOR_CURRENT_ISA(name))
+#elif defined(QFP8_HAVE_AVX512BF16)
 #define QFP8_ACTIVATION_HELPER_FOR_CURRENT_ISA(name) \
   (current_isa().fn == linear_tiles_avx512bf16 ? name##_avx512bf16 : QFP8_HELPER_FOR_CURRENT_ISA(name))
 #else

@@ -1,0 +1,437 @@
+// AMX kernel (the AVX512-BF16 flags plus -mamx-tile -mamx-bf16; chosen only
+// when the CPU reports AMX-BF16 and the OS grants the tile state, see
+// ops.cpp). Up to kFewRows virtual rows it is the avx512bf16 kernel: a
+// matrix-vector product waits on memory, and that kernel's fused loop reads
+// the weights as fast as they come. With more, the products are AMX tile
+// multiplies (tdpbf16ps), 16 x 16 x 32 multiply-adds each.
+//
+// Tiles (palette 1; all 16 rows x 64 bytes):
+//   tmm0-3  C: float32 sums, 16 rows x 16 channels; tmm0/1 rows 0-15 of a
+//           32-row block, tmm2/3 rows 16-31; tmm0/2 the first weight half
+//   tmm4-5  A: bf16 activations, 16 rows x 32 k (a contiguous 1 KB block)
+//   tmm6-7  B: bf16 weights, 16 k pairs x 16 channels: row q holds pair q of
+//           a 32-k step, one channel per dword, its two k side by side.
+// A 64-byte group of the packed layout (32 channels x one k pair) converts
+// by table (kernel_bf16_common.h) into two zmm registers whose dwords are
+// 16 channels each, pairs of k side by side: one row of each B tile. So a
+// step of 32 k is 16 converted groups, stored as two 1 KB blocks; C's
+// columns come out in that lane order, and store_lanes puts them back.
+//
+// Numerics: as the avx512bf16 kernel. Activations are split into 1 to 3
+// bf16 parts (bf16 inputs and FP8-quantized activations: one), each a
+// virtual row, so the products are exact and only the float32 sums round
+// (in tdpbf16ps's order); nonzero magnitudes below 2^-80 and finite float32
+// values beyond bf16's range make it decline, as tdpbf16ps treats bf16
+// denormals as zero and flushes denormal results.
+//
+// Loop: a group of tiles (as many as keep their float32 sums, every virtual
+// row x 32 channels, within kAccBytes) goes through K a chunk (kChunkSteps
+// steps of 32 k) at a time. Each tile's chunk is converted once into a bf16
+// panel (in L1) and multiplied by every 32-row block of activations (whose
+// chunk stays in L2 for the group's tiles), the C tiles loaded from and
+// stored back to the tile's sums around each chunk. Block weight scales
+// and 1 x 128 activation-group scales cut K into segments: C starts from
+// zero at each, and its sums are added to the tile's, scaled, at the end.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <new>
+#include <numeric>
+#include <vector>
+
+#include "kernel.h"
+#include "kernel_bf16_common.h"
+
+namespace qfp8 {
+namespace amx {
+namespace {
+
+using namespace bf16;
+
+// Up to this many virtual rows the avx512bf16 kernel runs (its fused loop
+// for 1 to 4 rows). Same process, cold weights, one thread, 4096 x 4096, ms,
+// avx512bf16 against tiles: M = 2 1.58, 2.03; M = 4 1.80, 1.89; M = 8 3.12,
+// 1.91 (the tiles cost the same from 1 to 16 rows: the weights' conversion).
+constexpr int64_t kFewRows = 4;
+constexpr int64_t kStepK = 32;           // k per tile step (16 pairs)
+constexpr int64_t kChunkSteps = 8;       // steps per converted panel chunk: 256 k, 2 x 8 KB of bf16
+constexpr int64_t kAccBytes = 512 << 10; // float32 sums a tile group keeps (in L2)
+constexpr int64_t kCachedActivations = 1 << 20;  // activations up to this many bytes: one tile at a time
+constexpr int64_t kBlockValues = 16 * kStepK;  // bf16 values of one A or B tile: 1 KB
+
+// The activations as bf16 A tiles: [16-row block][step][16 rows][32 k],
+// virtual row v = part * M + m; rows past the last virtual row and k past K
+// are zero.
+struct Activations {
+  int parts = 1;
+  int64_t M = 0, rows = 0, blocks = 0, steps = 0;
+  std::unique_ptr<uint16_t[], void (*)(void*)> data{nullptr, std::free};
+  const uint16_t* block(int64_t b, int64_t s) const { return data.get() + (b * steps + s) * kBlockValues; }
+  uint16_t* row_at(int64_t v, int64_t s) { return data.get() + ((v / 16) * steps + s) * kBlockValues + (v % 16) * kStepK; }
+
+  void allocate(int64_t virtual_rows, int64_t K) {
+    rows = virtual_rows;
+    blocks = (rows + 15) / 16;
+    steps = (K + kStepK - 1) / kStepK;
+    const size_t bytes = static_cast<size_t>(blocks * steps * kBlockValues) * sizeof(uint16_t);
+    data.reset(static_cast<uint16_t*>(huge_page_alloc(bytes)));
+    if (!data) throw std::bad_alloc();
+  }
+
+  // Zeroes the rows [from, blocks * 16): the pad of the last block.
+  void zero_rows_from(int64_t from) {
+    for (int64_t v = from; v < blocks * 16; ++v)
+      for (int64_t s = 0; s < steps; ++s) std::memset(row_at(v, s), 0, kStepK * sizeof(uint16_t));
+  }
+};
+
+// What prepare_amx hands the tiles: the AMX activations, or (fewer rows, or
+// a case the tiles do not take) the avx512bf16 kernel's own preparation.
+struct Prepared {
+  std::shared_ptr<const void> fallback;
+  std::unique_ptr<Activations> tiles;
+};
+
+inline __mmask32 lanes32(int64_t count) {
+  return count >= 32 ? __mmask32(0xFFFFFFFF) : (count <= 0 ? __mmask32(0) : __mmask32((1ull << count) - 1));
+}
+
+// bf16 x [M][K] (as given, or the FP8 values of W8A8) as the one part.
+// False when a nonzero magnitude is below kTinyActivation.
+bool take_bf16(const LinearProblem& p, Activations& a) {
+  const int64_t M = p.M, K = p.K;
+  a.parts = 1;
+  a.M = M;
+  a.allocate(M, K);
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+  const __m512i tiny = _mm512_set1_epi16(static_cast<short>((127 - 80) << 7));  // bf16 bits of 2^-80
+  __mmask32 too_small = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* x = p.x_bf16 + m * K;
+    for (int64_t s = 0; s < a.steps; ++s) {
+      const __m512i v = _mm512_maskz_loadu_epi16(lanes32(K - s * kStepK), x + s * kStepK);
+      const __m512i mag = _mm512_and_si512(v, magnitude);
+      too_small |= _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(mag, mag), mag, tiny);
+      _mm512_store_si512(a.row_at(m, s), v);
+    }
+  }
+  a.zero_rows_from(M);
+  return !too_small;
+}
+
+// float32 x [M][ldx] (columns K..Kp-1 zero) split into its bf16 parts
+// (kernel_bf16_common.h), as many as it needs. False when a nonzero |x| is
+// below kTinyActivation or a finite |x| above bf16's largest value.
+bool split_float(const LinearProblem& p, Activations& a) {
+  const int64_t M = p.M, K = p.K;
+  a.M = M;
+  a.allocate(3 * M, K);  // all three parts; the ones not needed are zero
+  const __m512 tiny = _mm512_set1_ps(kTinyActivation);
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 largest = _mm512_set1_ps(0x1.fffffep127f), bf16_max = _mm512_set1_ps(0x1.fep127f);
+  __mmask16 need_mid = 0, need_lo = 0, out_of_range = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* x = p.x + m * p.ldx;
+    for (int64_t s = 0; s < a.steps; ++s) {
+      const int64_t k = s * kStepK;
+      __m512 lo[3], hi[3];
+      const __m512 v0 = split16(x + k, lanes_below(K - k), lo[0], lo[1], lo[2]);
+      const __m512 v1 = split16(x + k + 16, lanes_below(K - k - 16), hi[0], hi[1], hi[2]);
+      for (const __m512 v : {v0, v1}) {
+        const __m512 av = _mm512_abs_ps(v);
+        out_of_range |= _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, zero, _CMP_GT_OQ), av, tiny, _CMP_LT_OQ);
+        out_of_range |= _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, largest, _CMP_LE_OQ), av, bf16_max, _CMP_GT_OQ);
+      }
+      need_mid |= _mm512_cmp_ps_mask(lo[1], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[1], zero, _CMP_NEQ_UQ);
+      need_lo |= _mm512_cmp_ps_mask(lo[2], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[2], zero, _CMP_NEQ_UQ);
+      for (int part = 0; part < 3; ++part)  // each part is exact in bf16: the conversion only packs it
+        _mm512_store_si512(a.row_at(part * M + m, s), (__m512i)_mm512_cvtne2ps_pbh(hi[part], lo[part]));
+    }
+  }
+  a.zero_rows_from(3 * M);
+  if (out_of_range) return false;
+  a.parts = need_lo ? 3 : (need_mid ? 2 : 1);
+  // The rows past parts * M up to the block's end belong to parts that are
+  // all zero, so the fewer blocks read only zeros there.
+  a.rows = a.parts * M;
+  a.blocks = (a.rows + 15) / 16;
+  return true;
+}
+
+// tileconfig, palette 1: tmm0-7 all 16 rows x 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tile state of the calling thread, held for one call's tiles.
+struct TileState {
+  TileState() {
+    TileConfig config;
+    for (int i = 0; i < 8; ++i) {
+      config.colsb[i] = 64;
+      config.rows[i] = 16;
+    }
+    _tile_loadconfig(&config);
+  }
+  ~TileState() { _tile_release(); }
+};
+
+// Converts the steps of one tile's chunk into a panel (per step two 1 KB B
+// blocks). Pairs past the weight's are zero.
+struct ChunkConverter {
+  const Tables* tb = nullptr;
+  const uint8_t* g = nullptr;  // the tile's packed weights
+  int64_t pairs = 0, s0 = 0, s1 = 0;
+  __m512i* panel = nullptr;
+
+  inline void step(int64_t s) const {
+    __m512i* b = panel + (s - s0) * 32;
+    const Tables t = *tb;  // in registers: the panel stores could alias *tb, and it would be read again after each
+    if ((s + 1) * 16 <= pairs) {
+      for (int64_t q = 0; q < 16; ++q) convert_group(t, g + (s * 16 + q) * kGroupBytes, b[q], b[16 + q]);
+      return;
+    }
+    for (int64_t q = 0; q < 16; ++q) {
+      if (s * 16 + q < pairs) {
+        convert_group(t, g + (s * 16 + q) * kGroupBytes, b[q], b[16 + q]);
+      } else {
+        b[q] = b[16 + q] = _mm512_setzero_si512();
+      }
+    }
+  }
+};
+
+// C tiles of a row block (Two: 32 rows, else 16) times steps [0, count) of
+// the panel, from the A blocks `a` (1 KB apart, the block's second 16 rows
+// `second` bytes further). With a converter, step i of the next chunk is
+// converted beside step i of this one, into the other panel: the tile
+// products run in the AMX unit while the vector units convert, and a panel's
+// tile loads never wait on stores just made (converting each step right
+// before its multiply, cold weights, ran at 8 GB/s).
+template <bool Two>
+inline void multiply_chunk(const uint16_t* a, int64_t second, const __m512i* panel, int64_t count,
+                           const ChunkConverter* next) {
+  for (int64_t s = 0; s < count; ++s) {
+    if (next && next->s0 + s < next->s1) next->step(next->s0 + s);
+    const uint16_t* as = a + s * kBlockValues;
+    _tile_loadd(4, as, 64);
+    _tile_loadd(6, panel + s * 32, 64);
+    _tile_loadd(7, panel + s * 32 + 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (Two) {
+      _tile_loadd(5, reinterpret_cast<const char*>(as) + second, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+template <bool Two>
+inline void load_c(const float* c) {
+  _tile_loadd(0, c, 128);
+  _tile_loadd(1, c + 16, 128);
+  if (Two) {
+    _tile_loadd(2, c + 16 * 32, 128);
+    _tile_loadd(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+template <bool Two>
+inline void zero_c() {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (Two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+}
+
+template <bool Two>
+inline void store_c(float* c) {
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+  if (Two) {
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+  }
+}
+
+// One row block over one chunk of one tile: C from `from` (null: zero),
+// multiplied, stored to `to`.
+template <bool Two>
+inline void block_chunk(const uint16_t* a, int64_t second, const __m512i* panel, int64_t count,
+                        const ChunkConverter* next, const float* from, float* to) {
+  if (from) {
+    load_c<Two>(from);
+  } else {
+    zero_c<Two>();
+  }
+  multiply_chunk<Two>(a, second, panel, count, next);
+  store_c<Two>(to);
+}
+
+// The k run (in steps) that one weight block and one activation group
+// cover: the partial sums are scaled at its end. All of K without either.
+int64_t segment_steps(const LinearProblem& p, const Activations& a) {
+  int64_t k = a.steps * kStepK;
+  if (p.scale_kind == kScaleBlock) k = p.bk;
+  if (p.group_scale) k = p.scale_kind == kScaleBlock ? std::gcd(k, kActivationGroup) : kActivationGroup;
+  return std::max<int64_t>(1, k / kStepK);
+}
+
+// One tile's chunk: what is multiplied, in order.
+struct Item {
+  int64_t j, c0, c1, seg;  // tile t0 + j of its group; steps [c0, c1) of segment [seg, ...)
+  int64_t t0, tiles;       // its group
+  bool first, last;        // the chunk starts / ends its segment
+};
+
+void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin, int64_t tile_end) {
+  static const Tables tables[3] = {make_tables(kE4M3FN), make_tables(kE5M2), make_tables(kE4M3FNUZ)};
+  const Tables& tb = tables[p.format];
+  const bool block = p.scale_kind == kScaleBlock;
+  const bool scaled = block || p.group_scale;
+  const int64_t rows16 = a.blocks * 16;
+  const int64_t tile_floats = rows16 * kTileN;
+  // One tile at a time (its weights read front to back) while the
+  // activations stay in L2; else as many as keep their sums in kAccBytes, so
+  // that each chunk of activations is read from L2 for all of them.
+  const int64_t activation_bytes = rows16 * a.steps * kStepK * 2;
+  const int64_t group = activation_bytes <= kCachedActivations
+                            ? 1
+                            : std::max<int64_t>(1, std::min(kAccBytes / (tile_floats * 4), tile_end - tile_begin));
+  const int64_t seg_steps = segment_steps(p, a);
+  const int64_t pairs = p.Kp / 2;
+  const int64_t tile_bytes = pairs * kGroupBytes;
+  const int64_t second = a.steps * kBlockValues * sizeof(uint16_t);  // bytes from a 16-row block to the next
+
+  std::vector<Item> items;
+  for (int64_t t0 = tile_begin; t0 < tile_end; t0 += group) {
+    const int64_t tiles = std::min(group, tile_end - t0);
+    for (int64_t seg = 0; seg < a.steps; seg += seg_steps) {
+      const int64_t seg_end = std::min(seg + seg_steps, a.steps);
+      for (int64_t c0 = seg; c0 < seg_end; c0 += kChunkSteps) {
+        const int64_t c1 = std::min(c0 + kChunkSteps, seg_end);
+        for (int64_t j = 0; j < tiles; ++j) items.push_back({j, c0, c1, seg, t0, tiles, c0 == seg, c1 == seg_end});
+      }
+    }
+  }
+  // Sums of the group's tiles; with scales also the current segment's
+  // partial C (when a segment spans chunks) and the scaled add's input.
+  std::unique_ptr<float[], void (*)(void*)> acc{static_cast<float*>(huge_page_alloc(group * tile_floats * 4)), std::free};
+  std::unique_ptr<float[], void (*)(void*)> partial{
+      static_cast<float*>(huge_page_alloc((scaled ? group * tile_floats : 1) * 4)), std::free};
+  std::unique_ptr<__m512i[], void (*)(void*)> panels{
+      static_cast<__m512i*>(huge_page_alloc(2 * kChunkSteps * 32 * sizeof(__m512i))), std::free};
+  if (!acc || !partial || !panels) throw std::bad_alloc();
+  alignas(64) float done[32 * kTileN];
+  float mult[kTileN];
+  TileState state;
+
+  auto converter = [&](const Item& it, int64_t slot) {
+    return ChunkConverter{&tb, p.w + (it.t0 + it.j) * tile_bytes, pairs, it.c0, it.c1, panels.get() + slot * kChunkSteps * 32};
+  };
+  {
+    const ChunkConverter first = converter(items[0], 0);
+    for (int64_t s = first.s0; s < first.s1; ++s) first.step(s);
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    const int64_t t = it.t0 + it.j;
+    if (scaled && it.j == 0 && it.c0 == 0) std::fill(acc.get(), acc.get() + it.tiles * tile_floats, 0.0f);
+    const __m512i* panel = panels.get() + (i % 2) * kChunkSteps * 32;
+    ChunkConverter next;
+    const bool has_next = i + 1 < items.size();
+    if (has_next) next = converter(items[i + 1], (i + 1) % 2);
+    __m512 lane[2];
+    if (block && it.last) lane_block_scales(p, t, it.seg * kStepK, lane[0], lane[1]);
+    float* sums = acc.get() + it.j * tile_floats;
+    float* part = partial.get() + (scaled ? it.j * tile_floats : 0);
+    for (int64_t b = 0; b < a.blocks; b += 2) {
+      const bool two = b + 1 < a.blocks;
+      const uint16_t* ab = a.block(b, it.c0);
+      float* c = (scaled ? part : sums) + b * 16 * kTileN;
+      // Unscaled: the tile's sums go on through K. Scaled: C restarts at
+      // each segment; its end lands in `done`, scaled into the sums.
+      const float* from = scaled ? (it.first ? nullptr : c) : (it.c0 == 0 ? nullptr : c);
+      float* to = scaled && it.last ? done : c;
+      const ChunkConverter* convert = has_next && b == 0 ? &next : nullptr;
+      if (two) {
+        block_chunk<true>(ab, second, panel, it.c1 - it.c0, convert, from, to);
+      } else {
+        block_chunk<false>(ab, second, panel, it.c1 - it.c0, convert, from, to);
+      }
+      if (!(scaled && it.last)) continue;
+      for (int r = 0; r < (two ? 32 : 16); ++r) {
+        const int64_t v = b * 16 + r;
+        if (v >= a.rows) break;
+        float* out = sums + v * kTileN;
+        const __m512 g = _mm512_set1_ps(
+            p.group_scale ? p.group_scale[(v % a.M) * p.group_cols + it.seg * kStepK / kActivationGroup] : 1.0f);
+        const __m512 m0 = block ? _mm512_mul_ps(lane[0], g) : g, m1 = block ? _mm512_mul_ps(lane[1], g) : g;
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_loadu_ps(done + r * kTileN), m0, _mm512_loadu_ps(out)));
+        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_loadu_ps(done + r * kTileN + 16), m1, _mm512_loadu_ps(out + 16)));
+      }
+    }
+    // The next chunk's steps this one had too few steps to convert beside.
+    if (has_next) {
+      for (int64_t s = next.s0 + (it.c1 - it.c0); s < next.s1; ++s) next.step(s);
+    }
+    if (i + 1 < items.size() && items[i + 1].t0 == it.t0) continue;
+    // The group's last chunk: each output row's parts added, then scaled, biased, stored.
+    for (int64_t j = 0; j < it.tiles; ++j) {
+      const int64_t tj = it.t0 + j;
+      fill_channel_mult(p, tj, block, mult);
+      const float* tile_sums = acc.get() + j * tile_floats;
+      for (int64_t m = 0; m < a.M; ++m) {
+        __m512 v0 = _mm512_loadu_ps(tile_sums + m * kTileN), v1 = _mm512_loadu_ps(tile_sums + m * kTileN + 16);
+        for (int part_index = 1; part_index < a.parts; ++part_index) {
+          v0 = _mm512_add_ps(v0, _mm512_loadu_ps(tile_sums + (part_index * a.M + m) * kTileN));
+          v1 = _mm512_add_ps(v1, _mm512_loadu_ps(tile_sums + (part_index * a.M + m) * kTileN + 16));
+        }
+        store_lanes(p, m, tj, v0, v1, mult);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace amx
+
+std::shared_ptr<const void> prepare_amx(const LinearProblem& p) {
+  auto prepared = std::make_shared<amx::Prepared>();
+  // Block scales whose k-block is not a whole number of steps go to the avx512bf16 kernel.
+  if (p.scale_kind != kScaleBlock || p.bk % amx::kStepK == 0) {
+    if (p.x_bf16 ? p.M > amx::kFewRows : p.M * 3 > amx::kFewRows) {
+      auto a = std::make_unique<amx::Activations>();
+      const bool taken = p.x_bf16 ? amx::take_bf16(p, *a) : amx::split_float(p, *a);
+      if (!taken) return nullptr;  // the float32 code (declined, as the avx512bf16 kernel would)
+      if (a->rows > amx::kFewRows) {
+        prepared->tiles = std::move(a);
+        return prepared;
+      }
+    }
+  }
+  prepared->fallback = prepare_avx512bf16(p);
+  if (!prepared->fallback) return nullptr;
+  return prepared;
+}
+
+void linear_tiles_amx(const LinearProblem& problem, int64_t tile_begin, int64_t tile_end) {
+  const auto* prepared = static_cast<const amx::Prepared*>(problem.prepared);
+  LinearProblem p = problem;
+  if (prepared && prepared->tiles) {
+    p.format_factor = 1.0f;  // the tables give the FP8 values themselves
+    return amx::tiles_amx(p, *prepared->tiles, tile_begin, tile_end);
+  }
+  p.prepared = prepared ? prepared->fallback.get() : nullptr;
+  linear_tiles_avx512bf16(p, tile_begin, tile_end);
+}
+
+}  // namespace qfp8
