@@ -18,9 +18,12 @@ every call (errors name the sizes); :func:`check_linear_args` is the full
 validation, raising ``ValueError`` that names the sizes, that callers run once (at
 freeze) before calling the op directly.
 
-ISA: the best variant this CPU and build support (avx512bf16 > avx512 > avx2
-> scalar) is picked at import; avx512bf16 (FP8 -> bf16 by table lookup,
-``vdpbf16ps`` products) also needs AVX512-VBMI. ``QFP8_CPU_ISA=scalar|avx2|avx512|avx512bf16``
+ISA: the best variant this CPU and build support (amx > avx512bf16 > avx512
+> avx2 > scalar) is picked at import; avx512bf16 (FP8 -> bf16 by table lookup,
+``vdpbf16ps`` products) also needs AVX512-VBMI; amx (the same conversion into
+bf16 tiles multiplied by ``tdpbf16ps``) also needs AMX-BF16 and the OS's grant
+of the tile state.
+``QFP8_CPU_ISA=scalar|avx2|avx512|avx512bf16|amx``
 forces one; forcing one the CPU or build lacks warns and keeps the best
 supported one (a model still runs). :func:`set_cpu_kernel_isa` does the same
 but raises ``ValueError``. If the extension is missing, ``scaled_linear_cpu``

@@ -75,8 +75,8 @@ void linear_tiles_avx512bf16(const LinearProblem& p, int64_t tile_begin, int64_t
 // it as LinearProblem::prepared. Null means the ISA's tiles go without.
 using LinearPrepareFn = std::shared_ptr<const void> (*)(const LinearProblem&);
 std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p);
-// AMX (kernel_amx.cpp): tile products past 4 virtual rows, the avx512bf16
-// kernel below; its preparation wraps that kernel's when it hands over.
+// AMX (kernel_amx.cpp): tile products; block scales whose k-block is not a
+// multiple of 32 go to the avx512bf16 kernel, whose preparation it wraps.
 void linear_tiles_amx(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 std::shared_ptr<const void> prepare_amx(const LinearProblem& p);
 

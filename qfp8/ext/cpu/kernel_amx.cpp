@@ -1,9 +1,12 @@
 // AMX kernel (the AVX512-BF16 flags plus -mamx-tile -mamx-bf16; chosen only
 // when the CPU reports AMX-BF16 and the OS grants the tile state, see
-// ops.cpp). Up to kFewRows virtual rows it is the avx512bf16 kernel: a
-// matrix-vector product waits on memory, and that kernel's fused loop reads
-// the weights as fast as they come. With more, the products are AMX tile
-// multiplies (tdpbf16ps), 16 x 16 x 32 multiply-adds each.
+// ops.cpp). From two virtual rows on (rows times bf16 parts), the products
+// are AMX tile multiplies (tdpbf16ps), 16 x 16 x 32 multiply-adds each. One
+// row, and block scales whose k-block is not a multiple of 32, go to the
+// avx512bf16 kernel. Through the op, cold weights, one thread, 4096 x 4096,
+// ms, tiles against avx512bf16 (whose vdpbf16ps issues about once per 1.7
+// cycles on this Intel core): M = 1 1.43-1.45, 1.17-1.19; M = 2 1.50, 1.64;
+// M = 3 1.43, 1.49; M = 4 1.45, 1.74.
 //
 // Tiles (palette 1; all 16 rows x 64 bytes):
 //   tmm0-3  C: float32 sums, 16 rows x 16 channels; tmm0/1 rows 0-15 of a
@@ -50,13 +53,14 @@ namespace {
 
 using namespace bf16;
 
-// Up to this many virtual rows the avx512bf16 kernel runs (its fused loop
-// for 1 to 4 rows). Same process, cold weights, one thread, 4096 x 4096, ms,
-// avx512bf16 against tiles: M = 2 1.58, 2.03; M = 4 1.80, 1.89; M = 8 3.12,
-// 1.91 (the tiles cost the same from 1 to 16 rows: the weights' conversion).
-constexpr int64_t kFewRows = 4;
 constexpr int64_t kStepK = 32;           // k per tile step (16 pairs)
-constexpr int64_t kChunkSteps = 8;       // steps per converted panel chunk: 256 k, 2 x 8 KB of bf16
+// Steps per converted panel chunk: 128 k, 2 x 4 KB of bf16 panel. Cold
+// weights, one thread, 4096 x 4096, ms at M = 16 / 64 / 256: 4 steps 1.41 /
+// 2.41 / 7.17, 8 steps 1.58 / 2.84 / 6.97, 16 steps 1.73 / 2.71 / 7.37.
+constexpr int64_t kChunkSteps = 4;
+// Weights asked for ahead of the conversion, into L2 (prefetcht2): 48 k pairs
+// (3 KB). Without, M = 16 took 1.75 ms; to L1 (prefetcht0) 1.8-2.0 ms.
+constexpr int64_t kPrefetchPairs = 48;
 constexpr int64_t kAccBytes = 512 << 10; // float32 sums a tile group keeps (in L2)
 constexpr int64_t kCachedActivations = 1 << 20;  // activations up to this many bytes: one tile at a time
 constexpr int64_t kBlockValues = 16 * kStepK;  // bf16 values of one A or B tile: 1 KB
@@ -190,6 +194,8 @@ struct ChunkConverter {
   __m512i* panel = nullptr;
 
   inline void step(int64_t s) const {
+    for (int64_t q = 0; q < 16; ++q)
+      _mm_prefetch(reinterpret_cast<const char*>(g + (s * 16 + q + kPrefetchPairs) * kGroupBytes), _MM_HINT_T2);
     __m512i* b = panel + (s - s0) * 32;
     const Tables t = *tb;  // in registers: the panel stores could alias *tb, and it would be read again after each
     if ((s + 1) * 16 <= pairs) {
@@ -406,18 +412,16 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
 
 std::shared_ptr<const void> prepare_amx(const LinearProblem& p) {
   auto prepared = std::make_shared<amx::Prepared>();
-  // Block scales whose k-block is not a whole number of steps go to the avx512bf16 kernel.
-  if (p.scale_kind != kScaleBlock || p.bk % amx::kStepK == 0) {
-    if (p.x_bf16 ? p.M > amx::kFewRows : p.M * 3 > amx::kFewRows) {
-      auto a = std::make_unique<amx::Activations>();
-      const bool taken = p.x_bf16 ? amx::take_bf16(p, *a) : amx::split_float(p, *a);
-      if (!taken) return nullptr;  // the float32 code (declined, as the avx512bf16 kernel would)
-      if (a->rows > amx::kFewRows) {
-        prepared->tiles = std::move(a);
-        return prepared;
-      }
+  if ((p.scale_kind != kScaleBlock || p.bk % amx::kStepK == 0) && (p.M > 1 || !p.x_bf16)) {
+    auto a = std::make_unique<amx::Activations>();
+    const bool taken = p.x_bf16 ? amx::take_bf16(p, *a) : amx::split_float(p, *a);
+    if (!taken) return nullptr;  // the float32 code (declined, as the avx512bf16 kernel would)
+    if (a->rows > 1) {
+      prepared->tiles = std::move(a);
+      return prepared;
     }
   }
+  // One virtual row, or block scales whose k-block is not a whole number of steps.
   prepared->fallback = prepare_avx512bf16(p);
   if (!prepared->fallback) return nullptr;
   return prepared;

@@ -131,7 +131,7 @@ bool has_scalar() { return true; }
 // Best first. An ISA is usable when it was compiled (the build defines
 // QFP8_HAVE_<ISA> only if its translation unit compiled) and the CPU has it.
 const IsaEntry kIsas[] = {
-#if defined(QFP8_HAVE_AMX) && defined(QFP8_HAVE_AVX512BF16)  // up to 4 virtual rows it is the avx512bf16 kernel
+#if defined(QFP8_HAVE_AMX) && defined(QFP8_HAVE_AVX512BF16)  // avx512bf16's code for odd block scales
     {"amx", linear_tiles_amx, has_amx, prepare_amx},
 #else
     {"amx", nullptr, has_amx},
