@@ -653,7 +653,7 @@ def test_routing_registers_the_cpu_kernel():
     assert kernel.name.startswith("cpu-") and kernel.op is torch.ops.qfp8.scaled_linear_cpu
 
 
-@pytest.mark.parametrize("requested", ["scalar", "avx512bf16"], ids=lambda r: f"env-{r}")
+@pytest.mark.parametrize("requested", ["scalar", "avx512bf16", "amx"], ids=lambda r: f"env-{r}")
 def test_isa_environment_variable(requested):
     code = "import warnings; warnings.simplefilter('always'); from qfp8.library import cpu; print(cpu.cpu_kernel_isa())"
     env = dict(os.environ, QFP8_CPU_ISA=requested)
