@@ -132,31 +132,19 @@ bool split_float(const LinearProblem& p, Activations& a) {
   const int64_t M = p.M, K = p.K;
   a.M = M;
   a.allocate(3 * M, K);  // all three parts; the ones not needed are zero
-  const __m512 tiny = _mm512_set1_ps(kTinyActivation);
-  const __m512 zero = _mm512_setzero_ps();
-  const __m512 largest = _mm512_set1_ps(0x1.fffffep127f), bf16_max = _mm512_set1_ps(0x1.fep127f);
-  __mmask16 need_mid = 0, need_lo = 0, out_of_range = 0;
+  SplitCheck check;
   for (int64_t m = 0; m < M; ++m) {
     const float* x = p.x + m * p.ldx;
     for (int64_t s = 0; s < a.steps; ++s) {
-      const int64_t k = s * kStepK;
       __m512 lo[3], hi[3];
-      const __m512 v0 = split16(x + k, lanes_below(K - k), lo[0], lo[1], lo[2]);
-      const __m512 v1 = split16(x + k + 16, lanes_below(K - k - 16), hi[0], hi[1], hi[2]);
-      for (const __m512 v : {v0, v1}) {
-        const __m512 av = _mm512_abs_ps(v);
-        out_of_range |= _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, zero, _CMP_GT_OQ), av, tiny, _CMP_LT_OQ);
-        out_of_range |= _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, largest, _CMP_LE_OQ), av, bf16_max, _CMP_GT_OQ);
-      }
-      need_mid |= _mm512_cmp_ps_mask(lo[1], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[1], zero, _CMP_NEQ_UQ);
-      need_lo |= _mm512_cmp_ps_mask(lo[2], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[2], zero, _CMP_NEQ_UQ);
+      split32(x + s * kStepK, K - s * kStepK, lo, hi, check);
       for (int part = 0; part < 3; ++part)  // each part is exact in bf16: the conversion only packs it
         _mm512_store_si512(a.row_at(part * M + m, s), (__m512i)_mm512_cvtne2ps_pbh(hi[part], lo[part]));
     }
   }
   a.zero_rows_from(3 * M);
-  if (out_of_range) return false;
-  a.parts = need_lo ? 3 : (need_mid ? 2 : 1);
+  if (check.out_of_range) return false;
+  a.parts = check.parts();
   // The rows past parts * M up to the block's end belong to parts that are
   // all zero, so the fewer blocks read only zeros there.
   a.rows = a.parts * M;

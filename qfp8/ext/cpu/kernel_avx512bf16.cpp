@@ -273,24 +273,12 @@ int split_activations(const LinearProblem& p, int parts, Activations& a) {
   a.shape(parts, M, Kp);
   a.data = Activations::allocate(a.rows * a.pairs);  // every pair is written below
   a.base = a.data.get();
-  const __m512 tiny = _mm512_set1_ps(kTinyActivation);
-  const __m512 zero = _mm512_setzero_ps();
-  const __m512 largest = _mm512_set1_ps(0x1.fffffep127f), bf16_max = _mm512_set1_ps(0x1.fep127f);
-  __mmask16 need_mid = 0, need_lo = 0, out_of_range = 0;
+  SplitCheck check;
   for (int64_t m = 0; m < M; ++m) {
     const float* x = p.x + m * p.ldx;
     for (int64_t k = 0; k < Kp; k += 32) {  // 32 values (16 pairs); Kp is even, so a tail ends on a pair
       __m512 lo[3], hi[3];
-      const __m512 v0 = split16(x + k, lanes_below(Kp - k), lo[0], lo[1], lo[2]);
-      const __m512 v1 = split16(x + k + 16, lanes_below(Kp - k - 16), hi[0], hi[1], hi[2]);
-      for (const __m512 v : {v0, v1}) {
-        const __m512 av = _mm512_abs_ps(v);
-        out_of_range |= _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, zero, _CMP_GT_OQ), av, tiny, _CMP_LT_OQ);
-        // Finite but above bf16's largest value: hi would round to Inf.
-        out_of_range |= _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, largest, _CMP_LE_OQ), av, bf16_max, _CMP_GT_OQ);
-      }
-      need_mid |= _mm512_cmp_ps_mask(lo[1], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[1], zero, _CMP_NEQ_UQ);
-      need_lo |= _mm512_cmp_ps_mask(lo[2], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[2], zero, _CMP_NEQ_UQ);
+      split32(x + k, Kp - k, lo, hi, check);
       const __mmask16 pairs_valid = lanes_below((Kp - k) / 2);
       for (int part = 0; part < parts; ++part) {
         // Each part is exact in bf16, so the conversion only packs it.
@@ -299,8 +287,7 @@ int split_activations(const LinearProblem& p, int parts, Activations& a) {
       }
     }
   }
-  if (out_of_range) return 0;
-  return need_lo ? 3 : (need_mid ? 2 : 1);
+  return check.out_of_range ? 0 : check.parts();
 }
 
 // bf16 x ([M][K], K even or odd) as the one part: used as it is when K is

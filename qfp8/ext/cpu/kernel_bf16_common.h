@@ -145,6 +145,33 @@ inline __mmask16 lanes_below(int64_t count) {
   return count >= 16 ? __mmask16(0xFFFF) : (count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1));
 }
 
+// What splitting activations found: which parts they need, and whether a
+// value is outside the bf16 route's range (a nonzero magnitude below
+// kTinyActivation, or finite but above bf16's largest value: hi would round
+// to Inf).
+struct SplitCheck {
+  __mmask16 need_mid = 0, need_lo = 0, out_of_range = 0;
+  int parts() const { return need_lo ? 3 : (need_mid ? 2 : 1); }
+};
+
+// The bf16 parts (split16) of the 32 values x[0..count) (the rest read as
+// zero): lo[] of the first 16, hi[] of the next 16; notes them in check.
+inline void split32(const float* x, int64_t count, __m512 (&lo)[3], __m512 (&hi)[3], SplitCheck& check) {
+  const __m512 tiny = _mm512_set1_ps(kTinyActivation);
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 largest = _mm512_set1_ps(0x1.fffffep127f), bf16_max = _mm512_set1_ps(0x1.fep127f);
+  const __m512 v0 = split16(x, lanes_below(count), lo[0], lo[1], lo[2]);
+  const __m512 v1 = split16(x + 16, lanes_below(count - 16), hi[0], hi[1], hi[2]);
+  for (const __m512 v : {v0, v1}) {
+    const __m512 av = _mm512_abs_ps(v);
+    check.out_of_range |= _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, zero, _CMP_GT_OQ), av, tiny, _CMP_LT_OQ);
+    check.out_of_range |=
+        _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(av, largest, _CMP_LE_OQ), av, bf16_max, _CMP_GT_OQ);
+  }
+  check.need_mid |= _mm512_cmp_ps_mask(lo[1], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[1], zero, _CMP_NEQ_UQ);
+  check.need_lo |= _mm512_cmp_ps_mask(lo[2], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[2], zero, _CMP_NEQ_UQ);
+}
+
 
 }  // namespace
 }  // namespace bf16
