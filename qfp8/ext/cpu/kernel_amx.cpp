@@ -281,9 +281,38 @@ int64_t segment_steps(const LinearProblem& p, const Activations& a) {
 
 // One tile's chunk: what is multiplied, in order.
 struct Item {
-  int64_t j, c0, c1, seg;  // tile t0 + j of its group; steps [c0, c1) of segment [seg, ...)
+  int64_t j, c0, c1, seg;  // tile t0 + j of its group; steps [c0, c1) of segment [seg, seg_end)
   int64_t t0, tiles;       // its group
-  bool first, last;        // the chunk starts / ends its segment
+  int64_t seg_end;
+  bool first, last;  // the chunk starts / ends its segment
+};
+
+// The items of tiles [tile_begin, tile_end) in the order they are multiplied:
+// group by group; in a group, segment by segment, chunk by chunk, tile by tile.
+struct ItemOrder {
+  int64_t tile_begin, tile_end, group, steps, seg_steps;
+
+  Item make(int64_t t0, int64_t seg, int64_t c0, int64_t j) const {
+    const int64_t seg_end = std::min(seg + seg_steps, steps);
+    const int64_t c1 = std::min(c0 + kChunkSteps, seg_end);
+    return {j, c0, c1, seg, t0, std::min(group, tile_end - t0), seg_end, c0 == seg, c1 == seg_end};
+  }
+  Item first() const { return make(tile_begin, 0, 0, 0); }
+  // The item after `it`; false after the last.
+  bool next(const Item& it, Item& out) const {
+    if (it.j + 1 < it.tiles) {
+      out = make(it.t0, it.seg, it.c0, it.j + 1);
+    } else if (it.c1 < it.seg_end) {
+      out = make(it.t0, it.seg, it.c1, 0);
+    } else if (it.seg_end < steps) {
+      out = make(it.t0, it.seg_end, it.seg_end, 0);
+    } else if (it.t0 + group < tile_end) {
+      out = make(it.t0 + group, 0, 0, 0);
+    } else {
+      return false;
+    }
+    return true;
+  }
 };
 
 void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin, int64_t tile_end) {
@@ -305,17 +334,7 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
   const int64_t tile_bytes = pairs * kGroupBytes;
   const int64_t second = a.steps * kBlockValues * sizeof(uint16_t);  // bytes from a 16-row block to the next
 
-  std::vector<Item> items;
-  for (int64_t t0 = tile_begin; t0 < tile_end; t0 += group) {
-    const int64_t tiles = std::min(group, tile_end - t0);
-    for (int64_t seg = 0; seg < a.steps; seg += seg_steps) {
-      const int64_t seg_end = std::min(seg + seg_steps, a.steps);
-      for (int64_t c0 = seg; c0 < seg_end; c0 += kChunkSteps) {
-        const int64_t c1 = std::min(c0 + kChunkSteps, seg_end);
-        for (int64_t j = 0; j < tiles; ++j) items.push_back({j, c0, c1, seg, t0, tiles, c0 == seg, c1 == seg_end});
-      }
-    }
-  }
+  const ItemOrder order{tile_begin, tile_end, group, a.steps, seg_steps};
   // Sums of the group's tiles; with scales also the current segment's
   // partial C (when a segment spans chunks) and the scaled add's input.
   std::unique_ptr<float[], void (*)(void*)> acc{static_cast<float*>(huge_page_alloc(group * tile_floats * 4)), std::free};
@@ -332,17 +351,17 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
     return ChunkConverter{&tb, p.w + (it.t0 + it.j) * tile_bytes, pairs, it.c0, it.c1, panels.get() + slot * kChunkSteps * 32};
   };
   {
-    const ChunkConverter first = converter(items[0], 0);
+    const ChunkConverter first = converter(order.first(), 0);
     for (int64_t s = first.s0; s < first.s1; ++s) first.step(s);
   }
-  for (size_t i = 0; i < items.size(); ++i) {
-    const Item& it = items[i];
+  Item it = order.first(), following;
+  for (int64_t i = 0;; ++i, it = following) {
+    const bool has_next = order.next(it, following);
     const int64_t t = it.t0 + it.j;
     if (scaled && it.j == 0 && it.c0 == 0) std::fill(acc.get(), acc.get() + it.tiles * tile_floats, 0.0f);
     const __m512i* panel = panels.get() + (i % 2) * kChunkSteps * 32;
     ChunkConverter next;
-    const bool has_next = i + 1 < items.size();
-    if (has_next) next = converter(items[i + 1], (i + 1) % 2);
+    if (has_next) next = converter(following, (i + 1) % 2);
     __m512 lane[2];
     if (block && it.last) lane_block_scales(p, t, it.seg * kStepK, lane[0], lane[1]);
     float* sums = acc.get() + it.j * tile_floats;
@@ -377,7 +396,7 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
     if (has_next) {
       for (int64_t s = next.s0 + (it.c1 - it.c0); s < next.s1; ++s) next.step(s);
     }
-    if (i + 1 < items.size() && items[i + 1].t0 == it.t0) continue;
+    if (has_next && following.t0 == it.t0) continue;
     // The group's last chunk: each output row's parts added, then scaled, biased, stored.
     for (int64_t j = 0; j < it.tiles; ++j) {
       const int64_t tj = it.t0 + j;
@@ -392,6 +411,7 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
         store_lanes(p, m, tj, v0, v1, mult);
       }
     }
+    if (!has_next) break;
   }
 }
 
