@@ -68,6 +68,16 @@ def run_kernel(x, q, w_scale, bias, block_size=(), activation="none", input_scal
     )
 
 
+def activation_values(x, activation, act_dtype=torch.float8_e4m3fn):
+    """x as a W8A8 kernel multiplies it, in float64: its FP8 values times their scales ("none": x itself)."""
+    if activation == "none":
+        return x
+    xq, xs = formats.quantize_activation(x, act_dtype, activation)
+    k = x.shape[-1]
+    xs = xs.double()
+    return formats.fp8_to_float(xq).double() * (formats.expand_group_scale(xs, k) if activation == "group" else xs)
+
+
 def rel_error(y, ref):
     y = y.double().reshape(ref.shape)
     return ((y - ref).abs().max() / ref.abs().max().clamp(min=1e-300)).item()
@@ -330,12 +340,7 @@ def test_many_rows_over_several_chunks_and_grouped_tiles(isa, m, k, x_dtype, blo
     x = (torch.randn(m, k) * torch.rand(m, 1).add(0.1)).to(x_dtype)
     bias = torch.randn(n)
     y = run_kernel(x, q, scale, bias, block_size, activation)
-    if activation == "group":
-        xq, xs = formats.quantize_activation(x, torch.float8_e4m3fn, "group")
-        x_values = formats.fp8_to_float(xq).double() * formats.expand_group_scale(xs.double(), k)
-    else:
-        x_values = x
-    ref = float64_reference(x_values, q, scale, bias, block_size)
+    ref = float64_reference(activation_values(x, activation), q, scale, bias, block_size)
     assert rel_error(y, ref) <= TOLERANCE[x_dtype], f"{isa} M={m} K={k} block={block_size} {activation}"
 
 
@@ -411,24 +416,17 @@ def test_row_groups_and_k_segments_give_each_row_the_same_bits(
 )  # fmt: skip
 def test_tile_products_rows_k_segments_and_scales(isa, m, n, k, x_dtype, block_size, activation):
     """The amx kernel's tile route: 16-row blocks taken two at a time (M = 5, 17, 33, 48 leave a block of 16
-    alone or half full), K in 32-value steps with a zero tail, 256-value chunks, N tails (N = 1). Block scales and
-    1 x 128 group scales cut K into segments: 128 x 128 (one chunk each), 4 x 96 (3-step segments, 1-step with groups; 4-channel blocks differ inside a register), 64 x
-    512 (a segment over two chunks), 16 x 7 (odd k-blocks: that kernel hands the call to avx512bf16). Activations over
-    1 MB (M = 300) send up to 13 tiles through K together. Every ISA runs it; against float64."""
+    alone or half full), K in 32-value steps with a zero tail, 128-value chunks, N tails (N = 1). Block scales
+    and 1 x 128 group scales cut K into segments: 128 x 128 (one chunk each), 4 x 96 (3-step segments, 1-step
+    with groups; 4-channel blocks differ inside a register), 64 x 512 (a segment over four chunks), 16 x 7 (odd
+    k-blocks: that kernel hands the call to avx512bf16). Activations over 1 MB (M = 300) send up to 13 tiles
+    through K together. Every ISA runs it; against float64."""
     granularity = "block" if block_size else "channel"
     q, scale = random_weight(n, k, torch.float8_e4m3fn, granularity, block_size or None)
     x = (torch.randn(m, k) * torch.rand(m, 1).add(0.1)).to(x_dtype)
     bias = torch.randn(n)
     y = run_kernel(x, q, scale, bias, block_size, activation)
-    if activation == "none":
-        x_values = x
-    else:
-        xq, xs = formats.quantize_activation(x, torch.float8_e4m3fn, activation)
-        xs = xs.double()
-        x_values = formats.fp8_to_float(xq).double() * (
-            formats.expand_group_scale(xs, k) if activation == "group" else xs
-        )
-    ref = float64_reference(x_values, q, scale, bias, block_size)
+    ref = float64_reference(activation_values(x, activation), q, scale, bias, block_size)
     err = rel_error(y, ref)
     assert err <= TOLERANCE[x_dtype], f"{isa} M={m} N={n} K={k} block={block_size} {activation}: {err:.2e}"
 
