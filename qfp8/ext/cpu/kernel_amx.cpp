@@ -27,14 +27,17 @@
 // values beyond bf16's range make it decline, as tdpbf16ps treats bf16
 // denormals as zero and flushes denormal results.
 //
-// Loop: a group of tiles (as many as keep their float32 sums, every virtual
-// row x 32 channels, within kAccBytes) goes through K a chunk (kChunkSteps
-// steps of 32 k) at a time. Each tile's chunk is converted once into a bf16
-// panel (in L1) and multiplied by every 32-row block of activations (whose
-// chunk stays in L2 for the group's tiles), the C tiles loaded from and
-// stored back to the tile's sums around each chunk. Block weight scales
-// and 1 x 128 activation-group scales cut K into segments: C starts from
-// zero at each, and its sums are added to the tile's, scaled, at the end.
+// Loop: a group of tiles goes through K a chunk (kChunkSteps steps of 32 k)
+// at a time: one tile while the activations fit kCachedActivations (its
+// weights then stream front to back), else as many as keep their float32
+// sums (every virtual row x 32 channels) within kAccBytes, so that each
+// chunk of activations is read from L2 for all of them. Each tile's chunk is
+// converted once into a bf16 panel (in L1), beside the multiplies of the
+// chunk before, and multiplied by every 32-row block of activations, the C
+// tiles loaded from and stored back to the tile's sums around each chunk.
+// Block weight scales and 1 x 128 activation-group scales cut K into
+// segments: C starts from zero at each, and its sums are added to the
+// tile's, scaled, at the end.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -59,7 +62,8 @@ constexpr int64_t kStepK = 32;           // k per tile step (16 pairs)
 // 2.41 / 7.17, 8 steps 1.58 / 2.84 / 6.97, 16 steps 1.73 / 2.71 / 7.37.
 constexpr int64_t kChunkSteps = 4;
 // Weights asked for ahead of the conversion, into L2 (prefetcht2): 48 k pairs
-// (3 KB). Without, M = 16 took 1.75 ms; to L1 (prefetcht0) 1.8-2.0 ms.
+// (3 KB). The kernel alone, M = 16 as above: 1.41-1.57 ms; without, 1.75;
+// into L1 (prefetcht0), 1.8-2.0.
 constexpr int64_t kPrefetchPairs = 48;
 constexpr int64_t kAccBytes = 512 << 10; // float32 sums a tile group keeps (in L2)
 constexpr int64_t kCachedActivations = 1 << 20;  // activations up to this many bytes: one tile at a time
@@ -91,8 +95,9 @@ struct Activations {
   }
 };
 
-// What prepare_amx hands the tiles: the AMX activations, or (fewer rows, or
-// a case the tiles do not take) the avx512bf16 kernel's own preparation.
+// What prepare_amx hands the tiles: the AMX activations, or (one virtual row,
+// or block scales the tiles do not take) the avx512bf16 kernel's own
+// preparation.
 struct Prepared {
   std::shared_ptr<const void> fallback;
   std::unique_ptr<Activations> tiles;

@@ -200,17 +200,18 @@ std::vector<std::string> emulated_isas() {
   return names;
 }
 
+const IsaEntry* isa_named(c10::string_view name) {
+  for (const auto& isa : kIsas)
+    if (name == isa.name) return &isa;
+  return name == kAvx512Emulated.name ? &kAvx512Emulated : nullptr;
+}
+
 void set_isa(c10::string_view name) {
-  for (const IsaEntry* entry : {&kIsas[0], &kIsas[1], &kIsas[2], &kIsas[3], &kIsas[4], &kAvx512Emulated}) {
-    const IsaEntry& isa = *entry;
-    if (name == isa.name) {
-      TORCH_CHECK(isa.fn, "qfp8: CPU kernel ISA '", std::string(name), "' was not compiled into this build");
-      TORCH_CHECK(isa.cpu_has(), "qfp8: this CPU does not support the '", std::string(name), "' kernel");
-      g_isa.store(&isa);
-      return;
-    }
-  }
-  TORCH_CHECK(false, "qfp8: unknown CPU kernel ISA '", std::string(name), "'; expected amx, avx512bf16, avx512, avx2 or scalar");
+  const IsaEntry* isa = isa_named(name);
+  TORCH_CHECK(isa, "qfp8: unknown CPU kernel ISA '", std::string(name), "'; expected amx, avx512bf16, avx512, avx2 or scalar");
+  TORCH_CHECK(isa->fn, "qfp8: CPU kernel ISA '", std::string(name), "' was not compiled into this build");
+  TORCH_CHECK(isa->cpu_has(), "qfp8: this CPU does not support the '", std::string(name), "' kernel");
+  g_isa.store(isa);
 }
 
 std::string get_isa() { return current_isa().name; }
