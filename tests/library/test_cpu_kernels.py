@@ -408,15 +408,16 @@ def test_row_groups_and_k_segments_give_each_row_the_same_bits(
     [
         (5, 33, 577, torch.bfloat16),
         (17, 70, 1030, torch.float16),
+        (24, 70, 1030, torch.bfloat16),
         (33, 1, 300, torch.bfloat16),
         (48, 65, 2049, torch.float32),
         (300, 150, 2100, torch.bfloat16),
     ],
-    ids=["M5-K577", "M17-f16-K1030", "M33-N1", "M48-f32-K2049", "M300-K2100-grouped"],
+    ids=["M5-K577", "M17-f16-K1030", "M24-K1030", "M33-N1", "M48-f32-K2049", "M300-K2100-grouped"],
 )  # fmt: skip
 def test_tile_products_rows_k_segments_and_scales(isa, m, n, k, x_dtype, block_size, activation):
     """The amx kernel's tile route: 16-row blocks taken two at a time (M = 5, 17, 33, 48 leave a block of 16
-    alone or half full), K in 32-value steps with a zero tail, 128-value chunks, N tails (N = 1). Block scales
+    alone or half full; up to 32 rows without scaled segments keep C in the tile registers through K), K in 32-value steps with a zero tail, 128-value chunks, N tails (N = 1). Block scales
     and 1 x 128 group scales cut K into segments: 128 x 128 (one chunk each), 4 x 96 (3-step segments, 1-step
     with groups; 4-channel blocks differ inside a register), 64 x 512 (a segment over four chunks), 16 x 7 (odd
     k-blocks: that kernel hands the call to avx512bf16). Activations over 1 MB (M = 300) send up to 13 tiles

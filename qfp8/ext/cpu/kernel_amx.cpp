@@ -262,17 +262,19 @@ inline void store_c(float* c) {
 }
 
 // One row block over one chunk of one tile: C from `from` (null: zero),
-// multiplied, stored to `to`.
+// multiplied, stored to `to`. `kept`: C is already in the tile registers
+// (the same block's previous chunk left it there); `keep`: leave it there.
 template <bool Two>
 inline void block_chunk(const uint16_t* a, int64_t second, const __m512i* panel, int64_t count,
-                        const ChunkConverter* next, const float* from, float* to) {
-  if (from) {
+                        const ChunkConverter* next, const float* from, float* to, bool kept, bool keep) {
+  if (kept) {
+  } else if (from) {
     load_c<Two>(from);
   } else {
     zero_c<Two>();
   }
   multiply_chunk<Two>(a, second, panel, count, next);
-  store_c<Two>(to);
+  if (!keep) store_c<Two>(to);
 }
 
 // The k run (in steps) that one weight block and one activation group
@@ -340,6 +342,9 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
   const int64_t second = a.steps * kBlockValues * sizeof(uint16_t);  // bytes from a 16-row block to the next
 
   const ItemOrder order{tile_begin, tile_end, group, a.steps, seg_steps};
+  // One block of up to 32 rows, one tile at a time, no segments: the tile's
+  // C stays in the tile registers from its first chunk to its last.
+  const bool resident = a.blocks <= 2 && group == 1 && !scaled;
   // Sums of the group's tiles; with scales also the current segment's
   // partial C (when a segment spans chunks) and the scaled add's input.
   std::unique_ptr<float[], void (*)(void*)> acc{static_cast<float*>(huge_page_alloc(group * tile_floats * 4)), std::free};
@@ -380,10 +385,11 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
       const float* from = scaled ? (it.first ? nullptr : c) : (it.c0 == 0 ? nullptr : c);
       float* to = scaled && it.last ? done : c;
       const ChunkConverter* convert = has_next && b == 0 ? &next : nullptr;
+      const bool kept = resident && it.c0 > 0, keep = resident && it.c1 < a.steps;
       if (two) {
-        block_chunk<true>(ab, second, panel, it.c1 - it.c0, convert, from, to);
+        block_chunk<true>(ab, second, panel, it.c1 - it.c0, convert, from, to, kept, keep);
       } else {
-        block_chunk<false>(ab, second, panel, it.c1 - it.c0, convert, from, to);
+        block_chunk<false>(ab, second, panel, it.c1 - it.c0, convert, from, to, kept, keep);
       }
       if (!(scaled && it.last)) continue;
       for (int r = 0; r < (two ? 32 : 16); ++r) {
