@@ -58,13 +58,13 @@ def last_level_cache_bytes() -> int:
     reported size is taken anyway, so that the weights are cold for sure.
     """
     sizes = []
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
             with open(path) as f:
                 text = f.read().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         if text and text[-1] in units and text[:-1].isdigit():
             sizes.append(int(text[:-1]) * units[text[-1]])
         elif text.isdigit():
@@ -74,22 +74,21 @@ def last_level_cache_bytes() -> int:
 
 LLC_BYTES = last_level_cache_bytes()
 QUICK_LLC_BYTES = 32 << 20  # --quick: it only has to run, so it rotates over less memory
-cold_bytes = LLC_BYTES
 
 
-def copies_for(nbytes: int) -> int:
+def copies_for(nbytes: int, cold_bytes: int) -> int:
     return max(2, math.ceil(2 * cold_bytes / max(nbytes, 1)) + 1)
 
 
-def make_methods(k: int, n: int):
-    """name -> (list of callables taking x_bf16, one per weight copy)."""
+def make_methods(k: int, n: int, cold_bytes: int):
+    """name -> (list of callables taking x_bf16, one per weight copy: enough to touch 2 x cold_bytes)."""
     w = torch.randn(n, k) / math.sqrt(k)
     q, scale = formats.quantize_weight(w, torch.float8_e4m3fn, "channel")
     act = torch.float8_e4m3fn
     methods = {}
 
     def rotate(build, nbytes):
-        return [build() for _ in range(copies_for(nbytes))]
+        return [build() for _ in range(copies_for(nbytes, cold_bytes))]
 
     def bf16_fn():
         wb = w.to(torch.bfloat16)
@@ -203,7 +202,6 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="*", metavar="KxN", help="only these shapes, e.g. 4096x4096")
     parser.add_argument("--ms", nargs="*", type=int, metavar="M", help="only these M")
     args = parser.parse_args(argv)
-    global cold_bytes
     cold_bytes = min(LLC_BYTES, QUICK_LLC_BYTES) if args.quick else LLC_BYTES
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -220,7 +218,7 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     for k, n in shapes:
-        methods, m1_extras = make_methods(k, n)
+        methods, m1_extras = make_methods(k, n, cold_bytes)
         too_slow = set()  # methods over SLOW_CALL_S a call at a smaller M of this shape: not run again
         for m in sorted(ms):
             x = torch.randn(m, k, dtype=torch.bfloat16)

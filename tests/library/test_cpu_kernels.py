@@ -78,6 +78,19 @@ def activation_values(x, activation, act_dtype=torch.float8_e4m3fn):
     return formats.fp8_to_float(xq).double() * (formats.expand_group_scale(xs, k) if activation == "group" else xs)
 
 
+def assert_random_case_matches_float64(isa, m, n, k, x_dtype, block_size, activation):
+    """A random weight (channel scales, or block scales of block_size) and rows of x of varied magnitude, through
+    the kernel, against float64 at the output dtype's tolerance."""
+    granularity = "block" if block_size else "channel"
+    q, scale = random_weight(n, k, torch.float8_e4m3fn, granularity, block_size or None)
+    x = (torch.randn(m, k) * torch.rand(m, 1).add(0.1)).to(x_dtype)
+    bias = torch.randn(n)
+    y = run_kernel(x, q, scale, bias, block_size, activation)
+    ref = float64_reference(activation_values(x, activation), q, scale, bias, block_size)
+    err = rel_error(y, ref)
+    assert err <= TOLERANCE[x_dtype], f"{isa} M={m} N={n} K={k} block={block_size} {activation}: {err:.2e}"
+
+
 def rel_error(y, ref):
     y = y.double().reshape(ref.shape)
     return ((y - ref).abs().max() / ref.abs().max().clamp(min=1e-300)).item()
@@ -334,14 +347,7 @@ def test_many_rows_over_several_chunks_and_grouped_tiles(isa, m, k, x_dtype, blo
     64 virtual rows (one per bf16 part of x) convert the FP8 weights as they multiply them, more multiply a panel
     converted once per chunk. Activations over 512 KB send four 32-channel tiles through K together (N = 150:
     one group of four tiles and one tile left). Channel, block and 1 x 128 group scales."""
-    n = 150
-    granularity = "block" if block_size else "channel"
-    q, scale = random_weight(n, k, torch.float8_e4m3fn, granularity, block_size or None)
-    x = (torch.randn(m, k) * torch.rand(m, 1).add(0.1)).to(x_dtype)
-    bias = torch.randn(n)
-    y = run_kernel(x, q, scale, bias, block_size, activation)
-    ref = float64_reference(activation_values(x, activation), q, scale, bias, block_size)
-    assert rel_error(y, ref) <= TOLERANCE[x_dtype], f"{isa} M={m} K={k} block={block_size} {activation}"
+    assert_random_case_matches_float64(isa, m, 150, k, x_dtype, block_size, activation)
 
 
 AVX512BF16 = _isa_param("avx512bf16")
@@ -417,19 +423,13 @@ def test_row_groups_and_k_segments_give_each_row_the_same_bits(
 )  # fmt: skip
 def test_tile_products_rows_k_segments_and_scales(isa, m, n, k, x_dtype, block_size, activation):
     """The amx kernel's tile route: 16-row blocks taken two at a time (M = 5, 17, 33, 48 leave a block of 16
-    alone or half full; up to 32 rows without scaled segments keep C in the tile registers through K), K in 32-value steps with a zero tail, 128-value chunks, N tails (N = 1). Block scales
-    and 1 x 128 group scales cut K into segments: 128 x 128 (one chunk each), 4 x 96 (3-step segments, 1-step
+    alone or half full; up to 32 rows without scaled segments keep C in the tile registers through K), K in
+    32-value steps with a zero tail, 128-value chunks, N tails (N = 1). Block scales and 1 x 128 group scales cut
+    K into segments: 128 x 128 (one chunk each), 4 x 96 (3-step segments, 1-step
     with groups; 4-channel blocks differ inside a register), 64 x 512 (a segment over four chunks), 16 x 7 (odd
     k-blocks: that kernel hands the call to avx512bf16). Activations over 1 MB (M = 300) send up to 13 tiles
     through K together. Every ISA runs it; against float64."""
-    granularity = "block" if block_size else "channel"
-    q, scale = random_weight(n, k, torch.float8_e4m3fn, granularity, block_size or None)
-    x = (torch.randn(m, k) * torch.rand(m, 1).add(0.1)).to(x_dtype)
-    bias = torch.randn(n)
-    y = run_kernel(x, q, scale, bias, block_size, activation)
-    ref = float64_reference(activation_values(x, activation), q, scale, bias, block_size)
-    err = rel_error(y, ref)
-    assert err <= TOLERANCE[x_dtype], f"{isa} M={m} N={n} K={k} block={block_size} {activation}: {err:.2e}"
+    assert_random_case_matches_float64(isa, m, n, k, x_dtype, block_size, activation)
 
 
 @pytest.mark.parametrize("m", [20, 300], ids=lambda m: f"M{m}")

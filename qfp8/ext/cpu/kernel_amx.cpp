@@ -267,12 +267,8 @@ inline void store_c(float* c) {
 template <bool Two>
 inline void block_chunk(const uint16_t* a, int64_t second, const __m512i* panel, int64_t count,
                         const ChunkConverter* next, const float* from, float* to, bool kept, bool keep) {
-  if (kept) {
-  } else if (from) {
-    load_c<Two>(from);
-  } else {
-    zero_c<Two>();
-  }
+  if (!kept && from) load_c<Two>(from);
+  if (!kept && !from) zero_c<Two>();
   multiply_chunk<Two>(a, second, panel, count, next);
   if (!keep) store_c<Two>(to);
 }
