@@ -193,24 +193,30 @@ def _rounding_probe(act_dtype) -> torch.Tensor:
     return torch.cat([values, -values])
 
 
-@pytest.mark.parametrize("activation", ["static", "token"])
+@pytest.mark.parametrize("x_dtype", list(X_IDS), ids=list(X_IDS.values()))
+@pytest.mark.parametrize("activation", ["static", "token", "tensor"])
 @pytest.mark.parametrize("w_dtype", list(FP8_IDS), ids=list(FP8_IDS.values()))
-def test_activation_rounding_is_bit_exact(isa, w_dtype, activation):
+def test_activation_rounding_is_bit_exact(isa, w_dtype, activation, x_dtype):
     """The in-op quantization rounds exactly as formats.quantize_activation (round to nearest, ties to even,
-    subnormals, saturation): with an identity weight each output is one quantized activation times its scale."""
+    subnormals, saturation) from x in each dtype: with an identity weight each output is one quantized activation
+    times its scale, rounded once to x's dtype."""
     act_dtype = formats.activation_dtype_for(w_dtype)
     probe = _rounding_probe(act_dtype)
+    if x_dtype == torch.float16:  # still beyond every FP8 dtype's largest value, but not Inf in fp16
+        probe = probe.clamp(-60000.0, 60000.0)
     k = probe.numel()
+    shuffled = probe[torch.randperm(k, generator=torch.Generator().manual_seed(0))]
     # Row 0 as it is (static scale 1: the values themselves meet the grid); row 1 shuffled and scaled
-    # (per token, the scale moves the grid).
-    x = torch.stack([probe, probe[torch.randperm(k, generator=torch.Generator().manual_seed(0))] * 0.37])
+    # (per token, the scale moves the grid); row 2 small (fp16 subnormals).
+    x = torch.stack([probe, shuffled * 0.37, shuffled * 1e-3]).to(x_dtype)
     eye = torch.eye(k).to(w_dtype)
     ones = torch.ones(k, 1)
     input_scale = torch.ones(1) if activation == "static" else None
     y = run_kernel(x, eye, ones, None, (), activation, input_scale)
-    xq, xs = formats.quantize_activation(x, act_dtype, "tensor" if activation == "static" else "token", input_scale)
-    expected = formats.fp8_to_float(xq).float() * xs.float()
-    assert torch.equal(y, expected), f"{isa}: {(y != expected).sum().item()} of {y.numel()} values differ"
+    granularity = "tensor" if activation == "static" else activation
+    xq, xs = formats.quantize_activation(x, act_dtype, granularity, input_scale)
+    expected = (formats.fp8_to_float(xq).float() * xs.float()).to(x_dtype)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{isa}: {m}")
 
 
 @pytest.mark.parametrize("w_dtype", list(FP8_IDS), ids=list(FP8_IDS.values()))
@@ -235,13 +241,19 @@ def test_token_mse_scales_match_the_reference_over_magnitudes(isa, w_dtype):
     assert torch.isnan(y[3]).all()
 
 
-def test_nonfinite_activation_spoils_only_its_row(isa):
+@pytest.mark.parametrize("x_dtype", list(X_IDS), ids=list(X_IDS.values()))
+@pytest.mark.parametrize("activation", ["token", "tensor"])
+def test_nonfinite_activation_spoils_only_its_row(isa, activation, x_dtype):
+    """An Inf or NaN becomes NaN and spoils its own row; the amax (of its row, or of the tensor) leaves it out, so
+    the other rows are the reference op's."""
     q, scale = random_weight(40, 300, torch.float8_e4m3fn, "channel")
-    x = torch.randn(4, 300)
+    x = torch.randn(4, 300).to(x_dtype)
     x[2, 5] = float("inf")
-    y = run_kernel(x, q, scale, None, (), "token")
-    assert torch.isnan(y[2]).all()
-    assert torch.isfinite(y[[0, 1, 3]]).all()
+    x[1, 299] = float("nan")
+    y = run_kernel(x, q, scale, None, (), activation)
+    assert torch.isnan(y[[1, 2]]).all()
+    reference = torch.ops.qfp8.scaled_linear(x, q, scale, None, None, [], activation, torch.float8_e4m3fn)
+    assert rel_error(y[[0, 3]], reference[[0, 3]].double()) <= TOLERANCE[x_dtype], isa
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block"], ids=lambda g: f"w-{g}")

@@ -163,6 +163,17 @@ float finite_amax_scalar(const float* row, int64_t K);
 float finite_amax_avx2(const float* row, int64_t K);
 float finite_amax_avx512bf16(const float* row, int64_t K);
 
+// The same two on one row of x as given (float32, bf16 or fp16 values by
+// RowKind), for the ISAs that take W8A8 activations as bf16: no float32 copy
+// of the row, and the FP8 values written as bf16 bits (exact), post = 1.
+enum RowKind { kRowFloat, kRowBFloat16, kRowHalf };
+using FiniteAmaxRowFn = float (*)(const void* row, int kind, int64_t K);
+using QuantizeRowBf16Fn = void (*)(const void* row, int kind, int64_t K, float scale, const Fp8Grid& grid,
+                                   uint16_t* out);
+float finite_amax_row_avx512bf16(const void* row, int kind, int64_t K);
+void quantize_row_bf16_avx512bf16(const void* row, int kind, int64_t K, float scale, const Fp8Grid& grid,
+                                  uint16_t* out);
+
 // The FP8 -> fp16 bit trick every vector kernel uses: an e4m3 byte b becomes
 // the fp16 with bits ((int16)(b << 8) >> 1) & 0xBFFF (sign kept in bit 15,
 // exponent and mantissa one bit lower), whose value is the e4m3 value / 2^8

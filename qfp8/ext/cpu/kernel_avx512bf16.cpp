@@ -815,7 +815,95 @@ void quantize_row_impl(const float* row, int64_t K, float scale, float post, con
   if (k < K) quantize_row_scalar(row + k, K - k, scale, post, grid, out + k);
 }
 
+// 16 values of a row given as float32, bf16 or fp16 (RowKind), as float32;
+// the lanes past `lanes` are zero.
+template <int Kind>
+inline __m512 load_row16(const void* row, int64_t k, __mmask16 lanes) {
+  if constexpr (Kind == kRowFloat) {
+    return _mm512_maskz_loadu_ps(lanes, static_cast<const float*>(row) + k);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(lanes, static_cast<const uint16_t*>(row) + k);
+    if constexpr (Kind == kRowHalf) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+inline __mmask16 lanes16(int64_t count) {
+  return count >= 16 ? __mmask16(0xFFFF) : (count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1));
+}
+
+// round_to_grid of clamp(q, +-fmax) for 16 quotients q, NaN where q is not
+// finite. The rounding here is the hardware's: |q| + c - c with c = 2^(e +
+// Dropped), e the exponent of |q| or of the smallest normal, whichever is
+// larger, rounds |q| to a multiple of 2^(e + Dropped - 23) (the grid's step
+// there) to nearest even, as round_to_grid does with integers and magic.
+template <int Dropped>
+inline __m512 quantize16(__m512 q, __m512 fmax, __m512i min_exponent, __m512 nan) {
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512 a = _mm512_abs_ps(q);
+  const __mmask16 finite = _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.40282347e38f), _CMP_LE_OQ);
+  const __m512 u = _mm512_min_ps(a, fmax);
+  const __m512i e = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(u), _mm512_set1_epi32(0x7f800000)), min_exponent);
+  const __m512 c = _mm512_castsi512_ps(_mm512_add_epi32(e, _mm512_set1_epi32(Dropped << 23)));
+  const __m512 r = _mm512_sub_ps(_mm512_add_ps(u, c), c);
+  return _mm512_castsi512_ps(_mm512_mask_ternarylogic_epi32(_mm512_castps_si512(nan), finite, _mm512_castps_si512(r),
+                                                            _mm512_and_si512(_mm512_castps_si512(q), sign), 0xEE));
+}
+
+template <int Dropped, int Kind>
+void quantize_row_bf16_impl(const void* row, int64_t K, float scale, const Fp8Grid& grid, uint16_t* out) {
+  const __m512 s = _mm512_set1_ps(scale), fmax = _mm512_set1_ps(grid.fmax), nan = _mm512_set1_ps(NAN);
+  uint32_t min_normal_bits;
+  std::memcpy(&min_normal_bits, &grid.min_normal, sizeof min_normal_bits);
+  const __m512i min_exponent = _mm512_set1_epi32(static_cast<int>(min_normal_bits & 0x7f800000u));
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask16 lanes0 = lanes16(K - k), lanes1 = lanes16(K - k - 16);
+    // a division, as the scalar code; the lanes past K are 0 / scale
+    const __m512 v0 = quantize16<Dropped>(_mm512_div_ps(load_row16<Kind>(row, k, lanes0), s), fmax, min_exponent, nan);
+    const __m512 v1 = quantize16<Dropped>(_mm512_div_ps(load_row16<Kind>(row, k + 16, lanes1), s), fmax, min_exponent, nan);
+    // exact: an FP8 value (or NaN) is a bf16 value, and no FP8 value is a float32 denormal
+    const __m512i bits = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+    _mm512_mask_storeu_epi16(out + k, K - k >= 32 ? __mmask32(0xFFFFFFFF) : __mmask32((1ull << (K - k)) - 1), bits);
+  }
+}
+
+template <int Dropped>
+void quantize_row_bf16_dispatch(const void* row, int kind, int64_t K, float scale, const Fp8Grid& grid, uint16_t* out) {
+  if (kind == kRowBFloat16) return quantize_row_bf16_impl<Dropped, kRowBFloat16>(row, K, scale, grid, out);
+  if (kind == kRowHalf) return quantize_row_bf16_impl<Dropped, kRowHalf>(row, K, scale, grid, out);
+  quantize_row_bf16_impl<Dropped, kRowFloat>(row, K, scale, grid, out);
+}
+
 }  // namespace
+
+void quantize_row_bf16_avx512bf16(const void* row, int kind, int64_t K, float scale, const Fp8Grid& grid,
+                                  uint16_t* out) {
+  if (grid.dropped_bits == 21) return quantize_row_bf16_dispatch<21>(row, kind, K, scale, grid, out);
+  quantize_row_bf16_dispatch<20>(row, kind, K, scale, grid, out);
+}
+
+// bf16 and fp16: a magnitude's bits order as the magnitudes do, so the
+// largest finite one is an integer max over the bits (Inf and NaN, the
+// all-ones exponent, left out), converted once.
+float finite_amax_row_avx512bf16(const void* row, int kind, int64_t K) {
+  if (kind == kRowFloat) return finite_amax_avx512bf16(static_cast<const float*>(row), K);
+  const uint16_t* bits = static_cast<const uint16_t*>(row);
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+  const __m512i exponent = _mm512_set1_epi16(static_cast<short>(kind == kRowHalf ? 0x7c00 : 0x7f80));
+  __m512i amax = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 lanes = K - k >= 32 ? __mmask32(0xFFFFFFFF) : __mmask32((1ull << (K - k)) - 1);
+    const __m512i mag = _mm512_and_si512(_mm512_maskz_loadu_epi16(lanes, bits + k), magnitude);
+    amax = _mm512_mask_max_epu16(amax, _mm512_cmplt_epu16_mask(mag, exponent), amax, mag);
+  }
+  const __m512i wide = _mm512_max_epu32(_mm512_and_si512(amax, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(amax, 16));
+  const uint16_t top = static_cast<uint16_t>(_mm512_reduce_max_epu32(wide));
+  if (kind == kRowHalf) return _cvtsh_ss(top);
+  const uint32_t f = static_cast<uint32_t>(top) << 16;
+  float value;
+  std::memcpy(&value, &f, sizeof value);
+  return value;
+}
 
 double grid_error_avx512bf16(const float* row, int64_t K, float inverse, const Fp8Grid& grid) {
   return grid.dropped_bits == 21 ? grid_error_impl<21>(row, K, inverse, grid) : grid_error_impl<20>(row, K, inverse, grid);

@@ -239,6 +239,21 @@ std::string get_isa() { return current_isa().name; }
 #define QFP8_ACTIVATION_HELPER_FOR_CURRENT_ISA(name) QFP8_HELPER_FOR_CURRENT_ISA(name)
 #endif
 
+// The AVX512 helpers that read a row of x as given (kernel.h), for the ISAs
+// that use the AVX512 activation helpers; null for the others.
+struct RowHelpers {
+  FiniteAmaxRowFn finite_amax_row = nullptr;
+  QuantizeRowBf16Fn quantize_row_bf16 = nullptr;
+};
+
+RowHelpers row_helpers_for_current_isa() {
+#ifdef QFP8_HAVE_AVX512BF16
+  if (QFP8_ACTIVATION_HELPER_FOR_CURRENT_ISA(finite_amax) == finite_amax_avx512bf16)
+    return {finite_amax_row_avx512bf16, quantize_row_bf16_avx512bf16};
+#endif
+  return {};
+}
+
 DecodeAttentionFn decode_attention_for_current_isa() { return QFP8_HELPER_FOR_CURRENT_ISA(decode_attention); }
 QuantizeRowFn quantize_row_for_current_isa() { return QFP8_ACTIVATION_HELPER_FOR_CURRENT_ISA(quantize_row); }
 FiniteAmaxFn finite_amax_for_current_isa() { return QFP8_ACTIVATION_HELPER_FOR_CURRENT_ISA(finite_amax); }
@@ -340,16 +355,40 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
       return into;
     }
   };
+  // The AVX512 helpers read x as it is and write the bf16 bits at once: one
+  // pass for the amax and one for the values, no float32 copy of a row.
+  constexpr int kind = std::is_same_v<T, float> ? kRowFloat : (std::is_same_v<T, c10::BFloat16> ? kRowBFloat16 : kRowHalf);
+  const RowHelpers helpers = row_helpers_for_current_isa();
+  const bool direct = out_bf16 && (mode == kToken || mode == kTensor || mode == kStatic) && helpers.finite_amax_row;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
   float tensor_scale = 1.0f;
   if (mode == kTensor) {
-    std::vector<float> row(K);
-    float amax = 0.0f;
-    for (int64_t m = 0; m < M; ++m) amax = std::max(amax, finite_amax(row_as_float(m, row.data()), K));
+    // max is exact in any order: the same scale for every thread count
+    const float amax = at::parallel_reduce(
+        0, M, grain, 0.0f,
+        [&](int64_t begin, int64_t end, float acc) {
+          std::vector<float> row(direct ? 0 : K);
+          for (int64_t m = begin; m < end; ++m)
+            acc = std::max(acc, direct ? helpers.finite_amax_row(x + m * K, kind, K)
+                                       : finite_amax(row_as_float(m, row.data()), K));
+          return acc;
+        },
+        [](float a, float b) { return std::max(a, b); });
     tensor_scale = scale_from_amax(amax, qmax);
   } else if (mode == kStatic) {
     tensor_scale = input_scale[0];
   }
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
+  if (direct) {
+    at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        const T* xr = x + m * K;
+        const float scale = mode == kToken ? scale_from_amax(helpers.finite_amax_row(xr, kind, K), qmax) : tensor_scale;
+        helpers.quantize_row_bf16(xr, kind, K, scale, grid, out_bf16 + m * K);
+        row_scale[m] = scale;
+      }
+    });
+    return;
+  }
   at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> finite(mode == kTokenMse ? K : 0);  // token-mse: a row with its non-finite values zeroed
     std::vector<float> scratch(out_bf16 ? Kp : 0);        // bf16 output: each row in float32 first
