@@ -436,11 +436,12 @@ def test_row_groups_and_k_segments_give_each_row_the_same_bits(
 def test_tile_products_rows_k_segments_and_scales(isa, m, n, k, x_dtype, block_size, activation):
     """The amx kernel's tile route: 16-row blocks taken two at a time (M = 5, 17, 33, 48 leave a block of 16
     alone or half full; up to 32 rows without scaled segments keep C in the tile registers through K), K in
-    32-value steps with a zero tail, 128-value chunks, N tails (N = 1). Block scales and 1 x 128 group scales cut
-    K into segments: 128 x 128 (one chunk each), 4 x 96 (3-step segments, 1-step
-    with groups; 4-channel blocks differ inside a register), 64 x 512 (a segment over four chunks), 16 x 7 (odd
-    k-blocks: that kernel hands the call to avx512bf16). Activations over 1 MB (M = 300) send up to 13 tiles
-    through K together. Every ISA runs it; against float64."""
+    32-value steps with a zero tail, 128-value chunks (256 from 128 virtual rows on: M = 300, and M = 48 of
+    float32 x in its three parts; each chunk's conversion shared among the blocks), N tails (N = 1). Block
+    scales and 1 x 128 group scales cut K into segments: 128 x 128 (one chunk each, half a long one), 4 x 96
+    (3-step segments, 1-step with groups; 4-channel blocks differ inside a register), 64 x 512 (a segment over
+    four chunks, two long ones), 16 x 7 (odd k-blocks: that kernel hands the call to avx512bf16). Activations
+    over 1 MB (M = 300) send up to 13 tiles through K together. Every ISA runs it; against float64."""
     assert_random_case_matches_float64(isa, m, n, k, x_dtype, block_size, activation)
 
 

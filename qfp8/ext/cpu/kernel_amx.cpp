@@ -27,14 +27,16 @@
 // values beyond bf16's range make it decline, as tdpbf16ps treats bf16
 // denormals as zero and flushes denormal results.
 //
-// Loop: a group of tiles goes through K a chunk (kChunkSteps steps of 32 k)
-// at a time: one tile while the activations fit kCachedActivations (its
-// weights then stream front to back), else as many as keep their float32
-// sums (every virtual row x 32 channels) within kAccBytes, so that each
-// chunk of activations is read from L2 for all of them. Each tile's chunk is
-// converted once into a bf16 panel (in L1), beside the multiplies of the
-// chunk before, and multiplied by every 32-row block of activations, the C
-// tiles loaded from and stored back to the tile's sums around each chunk.
+// Loop: a group of tiles goes through K a chunk (kChunkSteps steps of 32 k,
+// kLongChunkSteps for many rows) at a time: one tile while the activations
+// fit kCachedActivations (its weights then stream front to back), else as
+// many as keep their float32 sums (every virtual row x 32 channels) within
+// kAccBytes, so that each chunk of activations is read from L2 for all of
+// them. Each tile's chunk is converted once into a bf16 panel (in L1),
+// beside the multiplies of the chunk before (its groups shared evenly among
+// the 32-row blocks), and multiplied by every 32-row block of activations,
+// the C tiles loaded from and stored back to the tile's sums around each
+// chunk.
 // Block weight scales and 1 x 128 activation-group scales cut K into
 // segments: C starts from zero at each, and its sums are added to the
 // tile's, scaled, at the end.
@@ -61,6 +63,18 @@ constexpr int64_t kStepK = 32;           // k per tile step (16 pairs)
 // weights, one thread, 4096 x 4096, ms at M = 16 / 64 / 256: 4 steps 1.41 /
 // 2.41 / 7.17, 8 steps 1.58 / 2.84 / 6.97, 16 steps 1.73 / 2.71 / 7.37.
 constexpr int64_t kChunkSteps = 4;
+// From kLongChunkBlocks 16-row blocks of virtual rows on, kLongChunkSteps
+// (256 k, 2 x 8 KB): C's tile stores and loads around each chunk cost more
+// than the multiplies they bracket (a store drains the tile unit; 4 C stores
+// and loads per block at 8 steps took ~40 % of a loop of random data that
+// had them, against one that had none), and the chunk's panel still fits L1.
+// Hot weights, one thread, ms, 4 steps against 8: 4096 x 4096 M = 128 4.20,
+// 3.87; M = 192 6.17, 5.34; M = 256 6.74, 6.05; 1536 x 576 M = 128 0.235,
+// 0.216; M = 96 (6 blocks) 4096 x 4096 2.82, 2.93. Two threads, M = 512,
+// 2048 x 8192: 4 steps 7.67, 8 steps 6.56, 12 steps 7.61, 16 steps 7.29.
+constexpr int64_t kLongChunkSteps = 8;
+constexpr int64_t kLongChunkBlocks = 8;
+constexpr int64_t kMaxChunkSteps = kLongChunkSteps;
 // Weights asked for ahead of the conversion, into L2 (prefetcht2): 48 k pairs
 // (3 KB). The kernel alone, M = 16 as above: 1.41-1.57 ms; without, 1.75;
 // into L1 (prefetcht0), 1.8-2.0.
@@ -178,28 +192,27 @@ struct TileState {
   ~TileState() { _tile_release(); }
 };
 
-// Converts the steps of one tile's chunk into a panel (per step two 1 KB B
-// blocks). Pairs past the weight's are zero.
+// Converts one tile's chunk into a panel (per step two 1 KB B blocks), a
+// run of its 64-byte groups at a time (group i: pair 16 * s0 + i). Pairs
+// past the weight's are zero.
 struct ChunkConverter {
   const Tables* tb = nullptr;
   const uint8_t* g = nullptr;  // the tile's packed weights
   int64_t pairs = 0, s0 = 0, s1 = 0;
   __m512i* panel = nullptr;
 
-  inline void step(int64_t s) const {
-    for (int64_t q = 0; q < 16; ++q)
-      _mm_prefetch(reinterpret_cast<const char*>(g + (s * 16 + q + kPrefetchPairs) * kGroupBytes), _MM_HINT_T2);
-    __m512i* b = panel + (s - s0) * 32;
+  int64_t groups() const { return (s1 - s0) * 16; }
+
+  inline void convert(int64_t i0, int64_t i1) const {
     const Tables t = *tb;  // in registers: the panel stores could alias *tb, and it would be read again after each
-    if ((s + 1) * 16 <= pairs) {
-      for (int64_t q = 0; q < 16; ++q) convert_group(t, g + (s * 16 + q) * kGroupBytes, b[q], b[16 + q]);
-      return;
-    }
-    for (int64_t q = 0; q < 16; ++q) {
-      if (s * 16 + q < pairs) {
-        convert_group(t, g + (s * 16 + q) * kGroupBytes, b[q], b[16 + q]);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t pair = s0 * 16 + i;
+      _mm_prefetch(reinterpret_cast<const char*>(g + (pair + kPrefetchPairs) * kGroupBytes), _MM_HINT_T2);
+      __m512i* b = panel + (i / 16) * 32 + i % 16;
+      if (pair < pairs) {
+        convert_group(t, g + pair * kGroupBytes, b[0], b[16]);
       } else {
-        b[q] = b[16 + q] = _mm512_setzero_si512();
+        b[0] = b[16] = _mm512_setzero_si512();
       }
     }
   }
@@ -207,16 +220,17 @@ struct ChunkConverter {
 
 // C tiles of a row block (Two: 32 rows, else 16) times steps [0, count) of
 // the panel, from the A blocks `a` (1 KB apart, the block's second 16 rows
-// `second` bytes further). With a converter, step i of the next chunk is
-// converted beside step i of this one, into the other panel: the tile
-// products run in the AMX unit while the vector units convert, and a panel's
-// tile loads never wait on stores just made (converting each step right
-// before its multiply, cold weights, ran at 8 GB/s).
+// `second` bytes further). With a converter, its groups [g0, g1) (of the
+// next chunk, into the other panel) are converted beside, spread evenly
+// over the steps: the tile products run in the AMX unit while the vector
+// units convert, and a panel's tile loads never wait on stores just made
+// (converting each step right before its multiply, cold weights, ran at
+// 8 GB/s).
 template <bool Two>
 inline void multiply_chunk(const uint16_t* a, int64_t second, const __m512i* panel, int64_t count,
-                           const ChunkConverter* next) {
+                           const ChunkConverter* next, int64_t g0, int64_t g1) {
   for (int64_t s = 0; s < count; ++s) {
-    if (next && next->s0 + s < next->s1) next->step(next->s0 + s);
+    if (next) next->convert(g0 + (g1 - g0) * s / count, g0 + (g1 - g0) * (s + 1) / count);
     const uint16_t* as = a + s * kBlockValues;
     _tile_loadd(4, as, 64);
     _tile_loadd(6, panel + s * 32, 64);
@@ -266,10 +280,11 @@ inline void store_c(float* c) {
 // (the same block's previous chunk left it there); `keep`: leave it there.
 template <bool Two>
 inline void block_chunk(const uint16_t* a, int64_t second, const __m512i* panel, int64_t count,
-                        const ChunkConverter* next, const float* from, float* to, bool kept, bool keep) {
+                        const ChunkConverter* next, int64_t g0, int64_t g1, const float* from, float* to, bool kept,
+                        bool keep) {
   if (!kept && from) load_c<Two>(from);
   if (!kept && !from) zero_c<Two>();
-  multiply_chunk<Two>(a, second, panel, count, next);
+  multiply_chunk<Two>(a, second, panel, count, next, g0, g1);
   if (!keep) store_c<Two>(to);
 }
 
@@ -293,11 +308,11 @@ struct Item {
 // The items of tiles [tile_begin, tile_end) in the order they are multiplied:
 // group by group; in a group, segment by segment, chunk by chunk, tile by tile.
 struct ItemOrder {
-  int64_t tile_begin, tile_end, group, steps, seg_steps;
+  int64_t tile_begin, tile_end, group, steps, seg_steps, chunk;
 
   Item make(int64_t t0, int64_t seg, int64_t c0, int64_t j) const {
     const int64_t seg_end = std::min(seg + seg_steps, steps);
-    const int64_t c1 = std::min(c0 + kChunkSteps, seg_end);
+    const int64_t c1 = std::min(c0 + chunk, seg_end);
     return {j, c0, c1, seg, t0, std::min(group, tile_end - t0), seg_end, c0 == seg, c1 == seg_end};
   }
   Item first() const { return make(tile_begin, 0, 0, 0); }
@@ -337,7 +352,9 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
   const int64_t tile_bytes = pairs * kGroupBytes;
   const int64_t second = a.steps * kBlockValues * sizeof(uint16_t);  // bytes from a 16-row block to the next
 
-  const ItemOrder order{tile_begin, tile_end, group, a.steps, seg_steps};
+  const int64_t chunk = a.blocks >= kLongChunkBlocks ? kLongChunkSteps : kChunkSteps;
+  const int64_t block_pairs = (a.blocks + 1) / 2;
+  const ItemOrder order{tile_begin, tile_end, group, a.steps, seg_steps, chunk};
   // One block of up to 32 rows, one tile at a time, no segments: the tile's
   // C stays in the tile registers from its first chunk to its last.
   const bool resident = a.blocks <= 2 && group == 1 && !scaled;
@@ -347,25 +364,25 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
   std::unique_ptr<float[], void (*)(void*)> partial{
       static_cast<float*>(huge_page_alloc((scaled ? group * tile_floats : 1) * 4)), std::free};
   std::unique_ptr<__m512i[], void (*)(void*)> panels{
-      static_cast<__m512i*>(huge_page_alloc(2 * kChunkSteps * 32 * sizeof(__m512i))), std::free};
+      static_cast<__m512i*>(huge_page_alloc(2 * kMaxChunkSteps * 32 * sizeof(__m512i))), std::free};
   if (!acc || !partial || !panels) throw std::bad_alloc();
   alignas(64) float done[32 * kTileN];
   float mult[kTileN];
   TileState state;
 
   auto converter = [&](const Item& it, int64_t slot) {
-    return ChunkConverter{&tb, p.w + (it.t0 + it.j) * tile_bytes, pairs, it.c0, it.c1, panels.get() + slot * kChunkSteps * 32};
+    return ChunkConverter{&tb, p.w + (it.t0 + it.j) * tile_bytes, pairs, it.c0, it.c1, panels.get() + slot * kMaxChunkSteps * 32};
   };
   {
     const ChunkConverter first = converter(order.first(), 0);
-    for (int64_t s = first.s0; s < first.s1; ++s) first.step(s);
+    first.convert(0, first.groups());
   }
   Item it = order.first(), following;
   for (int64_t i = 0;; ++i, it = following) {
     const bool has_next = order.next(it, following);
     const int64_t t = it.t0 + it.j;
     if (scaled && it.j == 0 && it.c0 == 0) std::fill(acc.get(), acc.get() + it.tiles * tile_floats, 0.0f);
-    const __m512i* panel = panels.get() + (i % 2) * kChunkSteps * 32;
+    const __m512i* panel = panels.get() + (i % 2) * kMaxChunkSteps * 32;
     ChunkConverter next;
     if (has_next) next = converter(following, (i + 1) % 2);
     __m512 lane[2];
@@ -380,12 +397,15 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
       // each segment; its end lands in `done`, scaled into the sums.
       const float* from = scaled ? (it.first ? nullptr : c) : (it.c0 == 0 ? nullptr : c);
       float* to = scaled && it.last ? done : c;
-      const ChunkConverter* convert = has_next && b == 0 ? &next : nullptr;
+      // The next chunk's conversion, its groups shared evenly among the blocks.
+      const ChunkConverter* convert = has_next ? &next : nullptr;
+      const int64_t g0 = has_next ? next.groups() * (b / 2) / block_pairs : 0;
+      const int64_t g1 = has_next ? next.groups() * (b / 2 + 1) / block_pairs : 0;
       const bool kept = resident && it.c0 > 0, keep = resident && it.c1 < a.steps;
       if (two) {
-        block_chunk<true>(ab, second, panel, it.c1 - it.c0, convert, from, to, kept, keep);
+        block_chunk<true>(ab, second, panel, it.c1 - it.c0, convert, g0, g1, from, to, kept, keep);
       } else {
-        block_chunk<false>(ab, second, panel, it.c1 - it.c0, convert, from, to, kept, keep);
+        block_chunk<false>(ab, second, panel, it.c1 - it.c0, convert, g0, g1, from, to, kept, keep);
       }
       if (!(scaled && it.last)) continue;
       for (int r = 0; r < (two ? 32 : 16); ++r) {
@@ -398,10 +418,6 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
         _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_loadu_ps(done + r * kTileN), m0, _mm512_loadu_ps(out)));
         _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_loadu_ps(done + r * kTileN + 16), m1, _mm512_loadu_ps(out + 16)));
       }
-    }
-    // The next chunk's steps this one had too few steps to convert beside.
-    if (has_next) {
-      for (int64_t s = next.s0 + (it.c1 - it.c0); s < next.s1; ++s) next.step(s);
     }
     if (has_next && following.t0 == it.t0) continue;
     // The group's last chunk: each output row's parts added, then scaled, biased, stored.
