@@ -64,10 +64,12 @@ constexpr int64_t kStepK = 32;           // k per tile step (16 pairs)
 // 2.41 / 7.17, 8 steps 1.58 / 2.84 / 6.97, 16 steps 1.73 / 2.71 / 7.37.
 constexpr int64_t kChunkSteps = 4;
 // From kLongChunkBlocks 16-row blocks of virtual rows on, kLongChunkSteps
-// (256 k, 2 x 8 KB): C's tile stores and loads around each chunk cost more
-// than the multiplies they bracket (a store drains the tile unit; 4 C stores
-// and loads per block at 8 steps took ~40 % of a loop of random data that
-// had them, against one that had none), and the chunk's panel still fits L1.
+// (256 k, 2 x 8 KB; the panel still fits L1): C's tile stores and loads
+// around each chunk weigh less. A loop of random data with this blocking
+// (32-row blocks, 16 tiles, no conversion) spent ~45 % of its time on them
+// around 128-k chunks and ~35 % around 256-k ones (a store waits for the
+// tile unit to drain). Starting each chunk's C from zero and adding it to
+// the sums with vector adds instead of the C loads ran 1.14-1.18x slower.
 // Hot weights, one thread, ms, 4 steps against 8: 4096 x 4096 M = 128 4.20,
 // 3.87; M = 192 6.17, 5.34; M = 256 6.74, 6.05; 1536 x 576 M = 128 0.235,
 // 0.216; M = 96 (6 blocks) 4096 x 4096 2.82, 2.93. Two threads, M = 512,
