@@ -76,7 +76,6 @@ constexpr int64_t kChunkSteps = 4;
 // 2048 x 8192: 4 steps 7.67, 8 steps 6.56, 12 steps 7.61, 16 steps 7.29.
 constexpr int64_t kLongChunkSteps = 8;
 constexpr int64_t kLongChunkBlocks = 8;
-constexpr int64_t kMaxChunkSteps = kLongChunkSteps;
 // Weights asked for ahead of the conversion, into L2 (prefetcht2): 48 k pairs
 // (3 KB). The kernel alone, M = 16 as above: 1.41-1.57 ms; without, 1.75;
 // into L1 (prefetcht0), 1.8-2.0.
@@ -84,6 +83,8 @@ constexpr int64_t kPrefetchPairs = 48;
 constexpr int64_t kAccBytes = 512 << 10; // float32 sums a tile group keeps (in L2)
 constexpr int64_t kCachedActivations = 1 << 20;  // activations up to this many bytes: one tile at a time
 constexpr int64_t kBlockValues = 16 * kStepK;  // bf16 values of one A or B tile: 1 KB
+// zmm registers of one panel slot: two 1 KB B blocks per step of the longest chunk.
+constexpr int64_t kPanelSlot = std::max(kChunkSteps, kLongChunkSteps) * 32;
 
 // The activations as bf16 A tiles: [16-row block][step][16 rows][32 k],
 // virtual row v = part * M + m; rows past the last virtual row and k past K
@@ -366,14 +367,14 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
   std::unique_ptr<float[], void (*)(void*)> partial{
       static_cast<float*>(huge_page_alloc((scaled ? group * tile_floats : 1) * 4)), std::free};
   std::unique_ptr<__m512i[], void (*)(void*)> panels{
-      static_cast<__m512i*>(huge_page_alloc(2 * kMaxChunkSteps * 32 * sizeof(__m512i))), std::free};
+      static_cast<__m512i*>(huge_page_alloc(2 * kPanelSlot * sizeof(__m512i))), std::free};
   if (!acc || !partial || !panels) throw std::bad_alloc();
   alignas(64) float done[32 * kTileN];
   float mult[kTileN];
   TileState state;
 
   auto converter = [&](const Item& it, int64_t slot) {
-    return ChunkConverter{&tb, p.w + (it.t0 + it.j) * tile_bytes, pairs, it.c0, it.c1, panels.get() + slot * kMaxChunkSteps * 32};
+    return ChunkConverter{&tb, p.w + (it.t0 + it.j) * tile_bytes, pairs, it.c0, it.c1, panels.get() + slot * kPanelSlot};
   };
   {
     const ChunkConverter first = converter(order.first(), 0);
@@ -384,7 +385,7 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
     const bool has_next = order.next(it, following);
     const int64_t t = it.t0 + it.j;
     if (scaled && it.j == 0 && it.c0 == 0) std::fill(acc.get(), acc.get() + it.tiles * tile_floats, 0.0f);
-    const __m512i* panel = panels.get() + (i % 2) * kMaxChunkSteps * 32;
+    const __m512i* panel = panels.get() + (i % 2) * kPanelSlot;
     ChunkConverter next;
     if (has_next) next = converter(following, (i + 1) % 2);
     __m512 lane[2];
