@@ -5,13 +5,18 @@
 // row, and block scales whose k-block is not a multiple of 32, go to the
 // avx512bf16 kernel. Through the op, cold weights, one thread, 4096 x 4096,
 // ms, tiles against avx512bf16 (whose vdpbf16ps issues about once per 1.7
-// cycles on this Intel core): M = 1 1.43-1.45, 1.17-1.19; M = 2 1.50, 1.64;
-// M = 3 1.43, 1.49; M = 4 1.45, 1.74.
+// cycles on this Intel core), stop 32: M = 1 1.43-1.45, 1.17-1.19; M = 2
+// 1.50, 1.64; M = 3 1.43, 1.49; M = 4 1.45, 1.74. Stop 35, with the tile
+// pairs below: M = 2 1.08, M = 4 1.01, M = 16 1.22.
 //
-// Tiles (palette 1; all 16 rows x 64 bytes):
+// Tiles (palette 1; 64 bytes a row, 16 rows but where said otherwise):
 //   tmm0-3  C: float32 sums, 16 rows x 16 channels; tmm0/1 rows 0-15 of a
 //           32-row block, tmm2/3 rows 16-31; tmm0/2 the first weight half
-//   tmm4-5  A: bf16 activations, 16 rows x 32 k (a contiguous 1 KB block)
+//           (with one row block, tile_pairs_amx: tmm0/1 one weight tile,
+//           tmm2/3 the next)
+//   tmm4-5  A: bf16 activations, 16 rows x 32 k (a contiguous 1 KB block);
+//           below 32 virtual rows, C and A hold only the rows there are
+//           (TileState); tile_pairs_amx loads B into tmm5 too
 //   tmm6-7  B: bf16 weights, 16 k pairs x 16 channels: row q holds pair q of
 //           a 32-k step, one channel per dword, its two k side by side.
 // A 64-byte group of the packed layout (32 channels x one k pair) converts
@@ -27,7 +32,13 @@
 // values beyond bf16's range make it decline, as tdpbf16ps treats bf16
 // denormals as zero and flushes denormal results.
 //
-// Loop: a group of tiles goes through K a chunk (kChunkSteps steps of 32 k,
+// Loop, up to 16 virtual rows and no block or group scales: tiles two at a
+// time (tile_pairs_amx), each A tile load serving both. Cold weights, one
+// thread, same process, ms, one tile at a time against two: 4096 x 4096
+// M = 4 1.20, 1.01; M = 16 1.43, 1.22; 4096 x 14336 M = 16 5.05, 4.36. A
+// tile loads of the activations from L2 had slowed the weights' stream
+// from memory: without them (wrong sums) M = 16 took 1.25.
+// Otherwise: a group of tiles goes through K a chunk (kChunkSteps steps of 32 k,
 // kLongChunkSteps for many rows) at a time: one tile while the activations
 // fit kCachedActivations (its weights then stream front to back), else as
 // many as keep their float32 sums (every virtual row x 32 channels) within
@@ -190,17 +201,24 @@ struct alignas(64) TileConfig {
 // ms, 16 rows against as many as there are: M = 2 1.59, 1.41; M = 4 1.53,
 // 1.40; M = 8 1.58, 1.50.
 struct TileState {
-  explicit TileState(int64_t rows) {
+  // `pair`: tile_pairs_amx's use, tmm0-3 all C of the one row block.
+  explicit TileState(int64_t rows, bool pair = false) {
     TileConfig config;
     for (int i = 0; i < 8; ++i) {
       config.colsb[i] = 64;
       config.rows[i] = 16;
     }
-    if (rows < 32) {
+    if (pair) {
+      config.rows[0] = config.rows[1] = config.rows[2] = config.rows[3] = config.rows[4] = static_cast<uint8_t>(rows);
+    } else if (rows < 32) {
       config.rows[0] = config.rows[1] = config.rows[4] = static_cast<uint8_t>(std::min<int64_t>(rows, 16));
       if (rows > 16) config.rows[2] = config.rows[3] = config.rows[5] = static_cast<uint8_t>(rows - 16);
     }
-    _tile_loadconfig(&config);
+    // Not _tile_loadconfig: GCC 12's declares a read of only the first 8
+    // bytes, so the stores of colsb and rows could be (and, once this was
+    // inlined twice into one function, were) dropped as dead: every tile
+    // unconfigured, and the first tile instruction an illegal instruction.
+    asm volatile("ldtilecfg %0" : : "m"(config));
   }
   ~TileState() { _tile_release(); }
 };
@@ -358,6 +376,98 @@ struct ItemOrder {
   }
 };
 
+// Writes tile `tile`'s outputs from its lane-order sums (one row of 32
+// floats per virtual row): each output row's parts added, then scaled,
+// biased, stored.
+void store_tile(const LinearProblem& p, const Activations& a, int64_t tile, bool block, const float* tile_sums) {
+  float mult[kTileN];
+  fill_channel_mult(p, tile, block, mult);
+  for (int64_t m = 0; m < a.M; ++m) {
+    __m512 v0 = _mm512_loadu_ps(tile_sums + m * kTileN), v1 = _mm512_loadu_ps(tile_sums + m * kTileN + 16);
+    for (int part_index = 1; part_index < a.parts; ++part_index) {
+      v0 = _mm512_add_ps(v0, _mm512_loadu_ps(tile_sums + (part_index * a.M + m) * kTileN));
+      v1 = _mm512_add_ps(v1, _mm512_loadu_ps(tile_sums + (part_index * a.M + m) * kTileN + 16));
+    }
+    store_lanes(p, m, tile, v0, v1, mult);
+  }
+}
+
+// One row block (at most 16 virtual rows), no segments, activations in L2:
+// tiles two at a time, [tile_begin, tile_end) an even count, so that each A
+// tile load serves four products (both tiles' two halves) instead of two.
+// Both tiles' C stay in tmm0-3 from their first chunk to their last; tmm4 is
+// A, tmm5-7 the B halves (tmm6 taken twice per step). Each tile's sums come
+// from the same products in the same order as one at a time, so the bits are
+// the same whichever way the tiles are split among threads.
+void tile_pairs_amx(const LinearProblem& p, const Activations& a, const Tables& tb, int64_t tile_begin,
+                    int64_t tile_end) {
+  const int64_t pairs = p.Kp / 2, tile_bytes = pairs * kGroupBytes;
+  const int64_t chunks = (a.steps + kChunkSteps - 1) / kChunkSteps;
+  const int64_t tile_floats = 16 * kTileN;
+  std::unique_ptr<float[], void (*)(void*)> acc{static_cast<float*>(huge_page_alloc(2 * tile_floats * 4)), std::free};
+  std::unique_ptr<__m512i[], void (*)(void*)> panels{
+      static_cast<__m512i*>(huge_page_alloc(2 * kPanelSlot * sizeof(__m512i))), std::free};
+  if (!acc || !panels) throw std::bad_alloc();
+  TileState state(a.rows, true);
+  // The two converters of chunk c of tiles t, t + 1, into panel slot `slot`
+  // (tile t's steps first, then tile t + 1's).
+  auto converters = [&](int64_t t, int64_t c, int64_t slot, ChunkConverter (&out)[2]) {
+    const int64_t s0 = c * kChunkSteps, s1 = std::min(s0 + kChunkSteps, a.steps);
+    for (int h = 0; h < 2; ++h)
+      out[h] = ChunkConverter{&tb, p.w + (t + h) * tile_bytes, pairs, s0, s1,
+                              panels.get() + slot * kPanelSlot + h * kChunkSteps * 32};
+  };
+  {
+    ChunkConverter first[2];
+    converters(tile_begin, 0, 0, first);
+    for (const ChunkConverter& f : first) f.convert(0, f.groups());
+  }
+  int64_t i = 0;
+  for (int64_t t = tile_begin; t < tile_end; t += 2) {
+    for (int64_t c = 0; c < chunks; ++c, ++i) {
+      if (c == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      const __m512i* panel = panels.get() + (i % 2) * kPanelSlot;
+      const bool has_next = c + 1 < chunks || t + 2 < tile_end;
+      ChunkConverter next[2];
+      if (has_next) converters(c + 1 < chunks ? t : t + 2, c + 1 < chunks ? c + 1 : 0, (i + 1) % 2, next);
+      const int64_t count = std::min(kChunkSteps, a.steps - c * kChunkSteps);
+      const int64_t groups = has_next ? next[0].groups() : 0;
+      const int64_t per = groups / count, extra = groups % count;
+      int64_t at = 0;
+      for (int64_t s = 0; s < count; ++s) {
+        const int64_t to = at + per + (s < extra);
+        if (has_next) {
+          next[0].convert(at, to);
+          next[1].convert(at, to);
+        }
+        at = to;
+        const __m512i* b0 = panel + s * 32;
+        const __m512i* b1 = panel + kChunkSteps * 32 + s * 32;
+        _tile_loadd(4, a.block(0, c * kChunkSteps + s), 64);
+        _tile_loadd(6, b0, 64);
+        _tile_loadd(7, b0 + 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, b1, 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, b1 + 16, 64);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+    }
+    _tile_stored(0, acc.get(), 128);
+    _tile_stored(1, acc.get() + 16, 128);
+    _tile_stored(2, acc.get() + tile_floats, 128);
+    _tile_stored(3, acc.get() + tile_floats + 16, 128);
+    store_tile(p, a, t, false, acc.get());
+    store_tile(p, a, t + 1, false, acc.get() + tile_floats);
+  }
+}
+
 void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin, int64_t tile_end) {
   static const Tables tables[3] = {make_tables(kE4M3FN), make_tables(kE5M2), make_tables(kE4M3FNUZ)};
   const Tables& tb = tables[p.format];
@@ -372,6 +482,12 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
   const int64_t group = activation_bytes <= kCachedActivations
                             ? 1
                             : std::max<int64_t>(1, std::min(kAccBytes / (tile_floats * 4), tile_end - tile_begin));
+  if (a.blocks == 1 && group == 1 && !scaled && tile_end - tile_begin >= 2) {
+    const int64_t even = tile_begin + (tile_end - tile_begin) / 2 * 2;
+    tile_pairs_amx(p, a, tb, tile_begin, even);
+    if (even == tile_end) return;
+    tile_begin = even;
+  }
   const int64_t seg_steps = segment_steps(p, a);
   const int64_t pairs = p.Kp / 2;
   const int64_t tile_bytes = pairs * kGroupBytes;
@@ -392,7 +508,6 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
       static_cast<__m512i*>(huge_page_alloc(2 * kPanelSlot * sizeof(__m512i))), std::free};
   if (!acc || !partial || !panels) throw std::bad_alloc();
   alignas(64) float done[32 * kTileN];
-  float mult[kTileN];
   TileState state(a.rows);
 
   auto converter = [&](const Item& it, int64_t slot) {
@@ -446,19 +561,7 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
     }
     if (has_next && following.t0 == it.t0) continue;
     // The group's last chunk: each output row's parts added, then scaled, biased, stored.
-    for (int64_t j = 0; j < it.tiles; ++j) {
-      const int64_t tj = it.t0 + j;
-      fill_channel_mult(p, tj, block, mult);
-      const float* tile_sums = acc.get() + j * tile_floats;
-      for (int64_t m = 0; m < a.M; ++m) {
-        __m512 v0 = _mm512_loadu_ps(tile_sums + m * kTileN), v1 = _mm512_loadu_ps(tile_sums + m * kTileN + 16);
-        for (int part_index = 1; part_index < a.parts; ++part_index) {
-          v0 = _mm512_add_ps(v0, _mm512_loadu_ps(tile_sums + (part_index * a.M + m) * kTileN));
-          v1 = _mm512_add_ps(v1, _mm512_loadu_ps(tile_sums + (part_index * a.M + m) * kTileN + 16));
-        }
-        store_lanes(p, m, tj, v0, v1, mult);
-      }
-    }
+    for (int64_t j = 0; j < it.tiles; ++j) store_tile(p, a, it.t0 + j, block, acc.get() + j * tile_floats);
     if (!has_next) break;
   }
 }
