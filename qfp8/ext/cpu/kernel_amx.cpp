@@ -93,6 +93,11 @@ constexpr int64_t kLongChunkBlocks = 8;
 constexpr int64_t kPrefetchPairs = 48;
 constexpr int64_t kAccBytes = 512 << 10; // float32 sums a tile group keeps (in L2)
 constexpr int64_t kCachedActivations = 1 << 20;  // activations up to this many bytes: one tile at a time
+// Tile pairs (tile_pairs_amx) with block or group scales only up to this
+// many virtual rows. 4096 x 4096, 128 x 128 blocks, cold, one thread, same
+// process, ms, pairs against one tile at a time: M = 2 1.23, 1.29; M = 4
+// 1.20-1.28, 1.34-1.38; M = 8 1.47-1.56, 1.49; M = 16 1.95, 1.75.
+constexpr int64_t kScaledPairRows = 4;
 constexpr int64_t kBlockValues = 16 * kStepK;  // bf16 values of one A or B tile: 1 KB
 // zmm registers of one panel slot: two 1 KB B blocks per step of the longest chunk.
 constexpr int64_t kPanelSlot = std::max(kChunkSteps, kLongChunkSteps) * 32;
@@ -383,6 +388,32 @@ struct ItemOrder {
   }
 };
 
+// Adds a segment's C (virtual rows [v0, v1), row v at c + (v - v0) *
+// kTileN) into the tile's sums (row v at sums + v * kTileN), each scaled by
+// its block scales (lane order; read only with block scales) and its row's
+// activation-group scale. Both tile loops use it, so a tile's bits do not
+// depend on which one ran it.
+inline void scale_into_sums(const LinearProblem& p, const Activations& a, bool block, const __m512 (&lane)[2],
+                            int64_t seg, int64_t v0, int64_t v1, const float* c, float* sums) {
+  const int64_t group_col = p.group_scale ? seg * kStepK / kActivationGroup : 0;
+  int64_t m = v0 % a.M;  // the row of virtual row v
+  for (int64_t v = v0; v < v1; ++v, m = m + 1 == a.M ? 0 : m + 1) {
+    float* out = sums + v * kTileN;
+    const float* in = c + (v - v0) * kTileN;
+    __m512 m0, m1;
+    if (p.group_scale) {
+      const __m512 g = _mm512_set1_ps(p.group_scale[m * p.group_cols + group_col]);
+      m0 = block ? _mm512_mul_ps(lane[0], g) : g;
+      m1 = block ? _mm512_mul_ps(lane[1], g) : g;
+    } else {  // block scales alone: the same bits as times 1
+      m0 = lane[0];
+      m1 = lane[1];
+    }
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_loadu_ps(in), m0, _mm512_loadu_ps(out)));
+    _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_loadu_ps(in + 16), m1, _mm512_loadu_ps(out + 16)));
+  }
+}
+
 // Writes tile `tile`'s outputs from its lane-order sums (one row of 32
 // floats per virtual row): each output row's parts added, then scaled,
 // biased, stored.
@@ -399,79 +430,132 @@ void store_tile(const LinearProblem& p, const Activations& a, int64_t tile, bool
   }
 }
 
-// One row block (at most 16 virtual rows), no segments, activations in L2:
-// tiles two at a time, [tile_begin, tile_end) an even count, so that each A
-// tile load serves four products (both tiles' two halves) instead of two.
-// Both tiles' C stay in tmm0-3 from their first chunk to their last; tmm4 is
-// A, tmm5-7 the B halves (tmm6 taken twice per step). Each tile's sums come
-// from the same products in the same order as one at a time, so the bits are
-// the same whichever way the tiles are split among threads.
+// One row block (at most 16 virtual rows), activations in L2: tiles two at a
+// time, [tile_begin, tile_end) an even count, so that each A tile load
+// serves four products (both tiles' two halves) instead of two. Both tiles'
+// C stay in tmm0-3 through a segment (all of K without block or group
+// scales); tmm4 is A, tmm5-7 the B halves (tmm6 taken twice per step). Each
+// tile's sums come from the same products and the same scaled adds, in the
+// same order, as one tile at a time in tiles_amx, so the bits are the same
+// whichever way the tiles are split among threads.
 void tile_pairs_amx(const LinearProblem& p, const Activations& a, const Tables& tb, int64_t tile_begin,
                     int64_t tile_end) {
+  const bool block = p.scale_kind == kScaleBlock;
+  const bool scaled = block || p.group_scale;
   const int64_t pairs = p.Kp / 2, tile_bytes = pairs * kGroupBytes;
-  const int64_t chunks = (a.steps + kChunkSteps - 1) / kChunkSteps;
+  const int64_t seg_steps = segment_steps(p, a);
   const int64_t tile_floats = 16 * kTileN;
-  std::unique_ptr<float[], void (*)(void*)> acc{static_cast<float*>(huge_page_alloc(2 * tile_floats * 4)), std::free};
+  std::unique_ptr<float[], void (*)(void*)> acc{static_cast<float*>(huge_page_alloc(6 * tile_floats * 4)), std::free};
   std::unique_ptr<__m512i[], void (*)(void*)> panels{
       static_cast<__m512i*>(huge_page_alloc(2 * kPanelSlot * sizeof(__m512i))), std::free};
   if (!acc || !panels) throw std::bad_alloc();
+  float* const sums = acc.get();                      // [2 tiles][rows][32]
+  float* const done = acc.get() + 2 * tile_floats;  // two segments' C (both tiles), scaled into sums
   TileState state(a.rows, true);
-  // The two converters of chunk c of tiles t, t + 1, into panel slot `slot`
-  // (tile t's steps first, then tile t + 1's).
-  auto converters = [&](int64_t t, int64_t c, int64_t slot, ChunkConverter (&out)[2]) {
-    const int64_t s0 = c * kChunkSteps, s1 = std::min(s0 + kChunkSteps, a.steps);
+  // A chunk of both tiles: steps [c0, c1) of the segment starting at seg.
+  struct Chunk {
+    int64_t t, seg, c0, c1;
+  };
+  auto segment_end = [&](int64_t seg) { return std::min(seg + seg_steps, a.steps); };
+  auto make = [&](int64_t t, int64_t seg, int64_t c0) {
+    return Chunk{t, seg, c0, std::min(c0 + kChunkSteps, segment_end(seg))};
+  };
+  auto following = [&](const Chunk& c, Chunk& out) {
+    if (c.c1 < segment_end(c.seg)) {
+      out = make(c.t, c.seg, c.c1);
+    } else if (c.c1 < a.steps) {
+      out = make(c.t, c.c1, c.c1);
+    } else if (c.t + 2 < tile_end) {
+      out = make(c.t + 2, 0, 0);
+    } else {
+      return false;
+    }
+    return true;
+  };
+  // Its two converters into panel slot `slot` (tile t's steps first, then tile t + 1's).
+  auto converters = [&](const Chunk& c, int64_t slot, ChunkConverter (&out)[2]) {
     for (int h = 0; h < 2; ++h)
-      out[h] = ChunkConverter{&tb, p.w + (t + h) * tile_bytes, pairs, s0, s1,
+      out[h] = ChunkConverter{&tb, p.w + (c.t + h) * tile_bytes, pairs, c.c0, c.c1,
                               panels.get() + slot * kPanelSlot + h * kChunkSteps * 32};
   };
+  // A segment's C (both tiles) scaled into the sums, in tiles_amx's order and operations.
+  struct Pending {
+    int64_t t, seg;
+    const float* c;
+  } pending{-1, 0, nullptr};
+  auto scaled_add = [&](const Pending& q) {
+    for (int h = 0; h < 2; ++h) {
+      __m512 lane[2];
+      if (block) lane_block_scales(p, q.t + h, q.seg * kStepK, lane[0], lane[1]);
+      scale_into_sums(p, a, block, lane, q.seg, 0, a.rows, q.c + h * tile_floats, sums + h * tile_floats);
+    }
+  };
+  Chunk it = make(tile_begin, 0, 0), after;
   {
     ChunkConverter first[2];
-    converters(tile_begin, 0, 0, first);
+    converters(it, 0, first);
     for (const ChunkConverter& f : first) f.convert(0, f.groups());
   }
-  int64_t i = 0;
-  for (int64_t t = tile_begin; t < tile_end; t += 2) {
-    for (int64_t c = 0; c < chunks; ++c, ++i) {
-      if (c == 0) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+  for (int64_t i = 0;; ++i, it = after) {
+    const bool has_next = following(it, after);
+    if (it.c0 == 0 && scaled) std::fill(sums, sums + 2 * tile_floats, 0.0f);
+    if (it.c0 == it.seg) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    const __m512i* panel = panels.get() + (i % 2) * kPanelSlot;
+    ChunkConverter next[2];
+    if (has_next) converters(after, (i + 1) % 2, next);
+    const int64_t count = it.c1 - it.c0;
+    const int64_t groups = has_next ? next[0].groups() : 0;
+    const int64_t per = groups / count, extra = groups % count;
+    int64_t at = 0;
+    for (int64_t s = 0; s < count; ++s) {
+      const int64_t to = at + per + (s < extra);
+      if (has_next) {
+        next[0].convert(at, to);
+        next[1].convert(at, to);
       }
-      const __m512i* panel = panels.get() + (i % 2) * kPanelSlot;
-      const bool has_next = c + 1 < chunks || t + 2 < tile_end;
-      ChunkConverter next[2];
-      if (has_next) converters(c + 1 < chunks ? t : t + 2, c + 1 < chunks ? c + 1 : 0, (i + 1) % 2, next);
-      const int64_t count = std::min(kChunkSteps, a.steps - c * kChunkSteps);
-      const int64_t groups = has_next ? next[0].groups() : 0;
-      const int64_t per = groups / count, extra = groups % count;
-      int64_t at = 0;
-      for (int64_t s = 0; s < count; ++s) {
-        const int64_t to = at + per + (s < extra);
-        if (has_next) {
-          next[0].convert(at, to);
-          next[1].convert(at, to);
-        }
-        at = to;
-        const __m512i* b0 = panel + s * 32;
-        const __m512i* b1 = panel + kChunkSteps * 32 + s * 32;
-        _tile_loadd(4, a.block(0, c * kChunkSteps + s), 64);
-        _tile_loadd(6, b0, 64);
-        _tile_loadd(7, b0 + 16, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, b1, 64);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, b1 + 16, 64);
-        _tile_dpbf16ps(3, 4, 6);
+      at = to;
+      const __m512i* b0 = panel + s * 32;
+      const __m512i* b1 = panel + kChunkSteps * 32 + s * 32;
+      _tile_loadd(4, a.block(0, it.c0 + s), 64);
+      _tile_loadd(6, b0, 64);
+      _tile_loadd(7, b0 + 16, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, b1, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, b1 + 16, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    // The previous segment's C, stored a chunk ago, scaled into the sums now:
+    // read right after its tile stores, the loads waited for them and held
+    // up the weights' stream (4096 x 4096, M = 16, 128 x 128 blocks: 2.02
+    // ms, 1.32 without the scaled add).
+    if (pending.t >= 0) {
+      scaled_add(pending);
+      pending.t = -1;
+    }
+    if (it.c1 == segment_end(it.seg)) {
+      float* c = scaled ? done + (i % 2) * 2 * tile_floats : sums;
+      _tile_stored(0, c, 128);
+      _tile_stored(1, c + 16, 128);
+      _tile_stored(2, c + tile_floats, 128);
+      _tile_stored(3, c + tile_floats + 16, 128);
+      if (scaled) pending = {it.t, it.seg, c};
+      if (scaled && it.c1 == a.steps) {
+        scaled_add(pending);
+        pending.t = -1;
       }
     }
-    _tile_stored(0, acc.get(), 128);
-    _tile_stored(1, acc.get() + 16, 128);
-    _tile_stored(2, acc.get() + tile_floats, 128);
-    _tile_stored(3, acc.get() + tile_floats + 16, 128);
-    store_tile(p, a, t, false, acc.get());
-    store_tile(p, a, t + 1, false, acc.get() + tile_floats);
+    if (it.c1 == a.steps) {
+      store_tile(p, a, it.t, block, sums);
+      store_tile(p, a, it.t + 1, block, sums + tile_floats);
+    }
+    if (!has_next) break;
   }
 }
 
@@ -489,7 +573,7 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
   const int64_t group = activation_bytes <= kCachedActivations
                             ? 1
                             : std::max<int64_t>(1, std::min(kAccBytes / (tile_floats * 4), tile_end - tile_begin));
-  if (a.blocks == 1 && group == 1 && !scaled && tile_end - tile_begin >= 2) {
+  if (a.blocks == 1 && group == 1 && tile_end - tile_begin >= 2 && (!scaled || a.rows <= kScaledPairRows)) {
     const int64_t even = tile_begin + (tile_end - tile_begin) / 2 * 2;
     tile_pairs_amx(p, a, tb, tile_begin, even);
     if (even == tile_end) return;
@@ -555,16 +639,7 @@ void tiles_amx(const LinearProblem& p, const Activations& a, int64_t tile_begin,
         block_chunk<false>(ab, a.step_values(), second, panel, it.c1 - it.c0, convert, g0, g1, from, to, kept, keep);
       }
       if (!(scaled && it.last)) continue;
-      for (int r = 0; r < (two ? 32 : 16); ++r) {
-        const int64_t v = b * 16 + r;
-        if (v >= a.rows) break;
-        float* out = sums + v * kTileN;
-        const __m512 g = _mm512_set1_ps(
-            p.group_scale ? p.group_scale[(v % a.M) * p.group_cols + it.seg * kStepK / kActivationGroup] : 1.0f);
-        const __m512 m0 = block ? _mm512_mul_ps(lane[0], g) : g, m1 = block ? _mm512_mul_ps(lane[1], g) : g;
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_loadu_ps(done + r * kTileN), m0, _mm512_loadu_ps(out)));
-        _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_loadu_ps(done + r * kTileN + 16), m1, _mm512_loadu_ps(out + 16)));
-      }
+      scale_into_sums(p, a, block, lane, it.seg, b * 16, std::min(b * 16 + (two ? 32 : 16), a.rows), done, sums);
     }
     if (has_next && following.t0 == it.t0) continue;
     // The group's last chunk: each output row's parts added, then scaled, biased, stored.
