@@ -450,12 +450,12 @@ void tile_pairs_amx(const LinearProblem& p, const Activations& a, const Tables& 
   const int64_t pairs = p.Kp / 2, tile_bytes = pairs * kGroupBytes;
   const int64_t seg_steps = segment_steps(p, a);
   const int64_t tile_floats = 16 * kTileN;
-  std::unique_ptr<float[], void (*)(void*)> acc{static_cast<float*>(huge_page_alloc(6 * tile_floats * 4)), std::free};
+  std::unique_ptr<float[], void (*)(void*)> acc{static_cast<float*>(huge_page_alloc(4 * tile_floats * 4)), std::free};
   std::unique_ptr<__m512i[], void (*)(void*)> panels{
       static_cast<__m512i*>(huge_page_alloc(2 * kPanelSlot * sizeof(__m512i))), std::free};
   if (!acc || !panels) throw std::bad_alloc();
   float* const sums = acc.get();                      // [2 tiles][rows][32]
-  float* const done = acc.get() + 2 * tile_floats;  // two segments' C (both tiles), scaled into sums
+  float* const done = acc.get() + 2 * tile_floats;  // a segment's C (both tiles), scaled into sums
   TileState state(a.rows, true);
   // A chunk of both tiles: steps [c0, c1) of the segment starting at seg.
   struct Chunk {
@@ -482,18 +482,6 @@ void tile_pairs_amx(const LinearProblem& p, const Activations& a, const Tables& 
     for (int h = 0; h < 2; ++h)
       out[h] = ChunkConverter{&tb, p.w + (c.t + h) * tile_bytes, pairs, c.c0, c.c1,
                               panels.get() + slot * kPanelSlot + h * kChunkSteps * 32};
-  };
-  // A segment's C (both tiles) scaled into the sums, in tiles_amx's order and operations.
-  struct Pending {
-    int64_t t, seg;
-    const float* c;
-  } pending{-1, 0, nullptr};
-  auto scaled_add = [&](const Pending& q) {
-    for (int h = 0; h < 2; ++h) {
-      __m512 lane[2];
-      if (block) lane_block_scales(p, q.t + h, q.seg * kStepK, lane[0], lane[1]);
-      scale_into_sums(p, a, block, lane, q.seg, 0, a.rows, q.c + h * tile_floats, sums + h * tile_floats);
-    }
   };
   Chunk it = make(tile_begin, 0, 0), after;
   {
@@ -536,24 +524,18 @@ void tile_pairs_amx(const LinearProblem& p, const Activations& a, const Tables& 
       _tile_loadd(6, b1 + 16, 64);
       _tile_dpbf16ps(3, 4, 6);
     }
-    // The previous segment's C, stored a chunk ago, scaled into the sums now:
-    // read right after its tile stores, the loads waited for them and held
-    // up the weights' stream (4096 x 4096, M = 16, 128 x 128 blocks: 2.02
-    // ms, 1.32 without the scaled add).
-    if (pending.t >= 0) {
-      scaled_add(pending);
-      pending.t = -1;
-    }
     if (it.c1 == segment_end(it.seg)) {
-      float* c = scaled ? done + (i % 2) * 2 * tile_floats : sums;
+      float* c = scaled ? done : sums;
       _tile_stored(0, c, 128);
       _tile_stored(1, c + 16, 128);
       _tile_stored(2, c + tile_floats, 128);
       _tile_stored(3, c + tile_floats + 16, 128);
-      if (scaled) pending = {it.t, it.seg, c};
-      if (scaled && it.c1 == a.steps) {
-        scaled_add(pending);
-        pending.t = -1;
+      if (scaled) {  // the segment's C scaled into the sums, as tiles_amx does it
+        for (int h = 0; h < 2; ++h) {
+          __m512 lane[2];
+          if (block) lane_block_scales(p, it.t + h, it.seg * kStepK, lane[0], lane[1]);
+          scale_into_sums(p, a, block, lane, it.seg, 0, a.rows, c + h * tile_floats, sums + h * tile_floats);
+        }
       }
     }
     if (it.c1 == a.steps) {
