@@ -34,8 +34,8 @@
 //
 // Loop, up to 16 virtual rows (up to kScaledPairRows with block or group
 // scales): tiles two at a time (tile_pairs_amx), each A tile load serving
-// both. Cold weights, one
-// thread, same process, ms, one tile at a time against two: 4096 x 4096
+// both. Cold weights, one thread, same process, ms, one tile at a time
+// against two: 4096 x 4096
 // M = 4 1.20, 1.01; M = 16 1.43, 1.22; 4096 x 14336 M = 16 5.05, 4.36. A
 // tile loads of the activations from L2 had slowed the weights' stream
 // from memory: without them (wrong sums) M = 16 took 1.25.

@@ -74,8 +74,9 @@ inline void convert_group(const Tables& tb, const uint8_t* src, __m512i& w0, __m
 // Channel (0..31) held by dword i of the first (j = 0) or second register.
 inline int lane_channel(int j, int i) { return 8 * (i / 4) + 4 * j + i % 4; }
 
-// Block scales of the tile's channels at column k, in register lane order.
-// Two divisions in all: one per scale, 64 of them, had made block scales at
+// Block scales of the tile's channels at column k, in register lane order:
+// one load when bn is a multiple of 32, else two divisions and a running
+// block row. Two divisions per channel (64 a call) had made block scales at
 // M = 4 take 1.6x the time of channel scales (amx, 4096 x 4096, 128 x 128
 // blocks).
 inline void lane_block_scales(const LinearProblem& p, int64_t tile, int64_t k, __m512& s0, __m512& s1) {
