@@ -55,7 +55,22 @@
 // costs about a fifth of the time (4096 x 4096, 128 x 128 blocks, one
 // thread: block scales 1.21x channel scales' time at M = 64 and 128, 1.30x
 // at 256; without the add's read and write of the sums, which live in L2,
-// M = 256 took 7.96 ms against 8.85).
+// M = 256 took 7.96 ms against 8.85). Chunks of 8 steps holding two such
+// segments each (the long chunks' panel, each segment's C still zeroed,
+// stored and scaled on its own) measured no faster (stop 36, M = 128-512).
+//
+// Where the time goes from 256 rows on (stop 36, 4096 x 4096, weights hot,
+// one thread, parts switched off in one process, so wrong sums): M = 256
+// 5.6-6.3 ms, of which converting the weights costs 0.5-0.75 (about what
+// the conversion takes with no tile work at all: it barely overlaps them),
+// and writing the outputs 0.25-0.35; M = 512 11.7 ms, 0.55 and 1.1. A loop with
+// this blocking and no conversion (random data, sums in L2) reaches about
+// 1.8-2.0 TFLOPS with C's loads and stores around each 8-step chunk and
+// 2.4-3.0 without them. Neither prefetching the next block's sums into L1
+// nor two C tile sets used in turn (so that one set's store and load
+// overlap the other's multiplies) raised it; storing the outputs row by
+// row over a tile group instead of tile by tile, and prefetching the output
+// rows for writing, changed nothing either.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -97,7 +112,12 @@ constexpr int64_t kLongChunkBlocks = 8;
 // into L1 (prefetcht0), 1.8-2.0.
 constexpr int64_t kPrefetchPairs = 48;
 constexpr int64_t kAccBytes = 512 << 10; // float32 sums a tile group keeps (in L2)
-constexpr int64_t kCachedActivations = 1 << 20;  // activations up to this many bytes: one tile at a time
+// Activations up to this many bytes: one tile at a time. With two row blocks
+// (17-32 rows), groups of two tiles instead (cold, one thread, same process,
+// stop 36) took 0.91-0.97x the time at M = 24 and 32 on 4096 x 4096 and
+// 4096 x 14336, 0.97-1.01x on 14336 x 4096 and 1.07x at M = 17: not taken
+// (small against this VM's spread, and a loss at 17 rows).
+constexpr int64_t kCachedActivations = 1 << 20;
 // Tile pairs (tile_pairs_amx) with block or group scales only up to this
 // many virtual rows. 4096 x 4096, 128 x 128 blocks, cold, one thread, same
 // process, ms, pairs against one tile at a time: M = 2 1.23, 1.29; M = 4
