@@ -7,7 +7,12 @@
 // ms, tiles against avx512bf16 (whose vdpbf16ps issues about once per 1.7
 // cycles on this Intel core), stop 32: M = 1 1.43-1.45, 1.17-1.19; M = 2
 // 1.50, 1.64; M = 3 1.43, 1.49; M = 4 1.45, 1.74. Stop 35, with the tile
-// pairs below: M = 2 1.08, M = 4 1.01, M = 16 1.22.
+// pairs below: M = 2 1.08, M = 4 1.01, M = 16 1.22. Stop 37, one row through
+// the tile pairs against avx512bf16 (cold, one thread, same process):
+// 4096 x 4096 1.09x the time, 14336 x 4096 and 4096 x 14336 0.99x, the
+// SmolLM2 shapes 0.93-1.04x: no gain, so one row stays there. Both read the
+// weights as fast as a plain read does (torch.sum over as many cold bytes,
+// same process: 0.90-1.05x its time), which is the limit at one row.
 //
 // Tiles (palette 1; 64 bytes a row, 16 rows but where said otherwise):
 //   tmm0-3  C: float32 sums, 16 rows x 16 channels; tmm0/1 rows 0-15 of a
@@ -58,6 +63,10 @@
 // M = 256 took 7.96 ms against 8.85). Chunks of 8 steps holding two such
 // segments each (the long chunks' panel, each segment's C still zeroed,
 // stored and scaled on its own) measured no faster (stop 36, M = 128-512).
+// At 16 rows (one tile at a time, cold, stop 37): channel scales 1.50 ms,
+// block scales 1.92, of which the scaled add takes about 0.2 (1.72 without
+// it, wrong sums) and C's zero and store at each segment the rest; tile
+// pairs there took 2.09.
 //
 // Where the time goes from 256 rows on (stop 36, 4096 x 4096, weights hot,
 // one thread, parts switched off in one process, so wrong sums): M = 256
