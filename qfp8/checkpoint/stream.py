@@ -500,6 +500,12 @@ def stream_quantize(
                 scales.update(dict.fromkeys(siblings, shared.amax(0)))
             else:
                 scales[module] = weight_scale(plan.load(weight_key(module), mmap=False), scheme)
+        if not torch.isfinite(scales[module]).all():  # NaN/Inf in the weight: refused, as quantize refuses it
+            key = weight_key(module)
+            raise ValueError(
+                f"{plan.tensors[key].file.path}: {key} {list(plan.tensors[key].file.info(key).shape)} holds NaN/Inf "
+                f"values, which FP8 cannot represent; fix the weight or pass --exclude {module}"
+            )
         return scales[module]
 
     def take_scale(module: str) -> torch.Tensor:

@@ -417,3 +417,20 @@ def test_stream_writes_the_config_keys_save_pretrained_writes(tiny, tmp_path):
     for key in ("rope_theta", "rope_scaling", "rope_parameters", "architectures", "quantization_config"):
         assert written[key] == in_memory[key], key
     assert written["rope_theta"] == 500000.0 and written["architectures"] == ["LlamaForCausalLM"]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_stream_refuses_a_nonfinite_weight_before_writing(tiny, tmp_path, bad):
+    # As quantize refuses it: the FP8 codes and scale would be NaN, a checkpoint that loads nowhere.
+    source = tmp_path / "float"
+    tiny.model().save_pretrained(source)
+    state = tiny.tensors(source)
+    key = next(k for k in sorted(state) if k.endswith("down_proj.weight"))
+    state[key][1, 2] = bad
+    save_file(state, source / "model.safetensors", metadata={"format": "pt"})
+    module = key.removesuffix(".weight")
+    with pytest.raises(ValueError, match=rf"model\.safetensors: {key} \[\d+, \d+\] holds NaN/Inf.*--exclude {module}"):
+        main(["quantize", str(source), str(tmp_path / "fp8"), "--no-progress"])
+    assert not (tmp_path / "fp8").exists()
+    # Excluded, the layer stays float and the rest is quantized.
+    assert main(["quantize", str(source), str(tmp_path / "fp8"), "--no-progress", "--exclude", module]) == 0
