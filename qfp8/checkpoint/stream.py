@@ -489,6 +489,15 @@ def stream_quantize(
     def scalar(name: str) -> PlannedTensor:
         return PlannedTensor(name, torch.float32, (1,), lambda: calibrated[name])
 
+    def read_scale(module: str, key: str) -> torch.Tensor:
+        scale = weight_scale(weight := plan.load(key, mmap=False), scheme)
+        if not torch.isfinite(scale).all():  # NaN/Inf in the weight: refused, as quantize refuses it
+            raise ValueError(
+                f"{plan.tensors[key].file.path}: {key} {list(weight.shape)} holds NaN/Inf values, which FP8 cannot "
+                f"represent; fix the weight or pass --exclude {module}"
+            )
+        return scale
+
     def scale_of(module: str) -> torch.Tensor:
         if module + ".weight_scale" in calibrated:  # chosen by the accuracy mode
             return calibrated[module + ".weight_scale"]
@@ -496,16 +505,10 @@ def stream_quantize(
             siblings = expert_parts[module][1] if module in expert_parts else [module]
             if scheme.weight_scale == "tensor" and len(siblings) > 1:
                 # One scale for the expert's gate and up parts, as quantize gives their fused weight.
-                shared = torch.stack([weight_scale(plan.load(m + ".weight", mmap=False), scheme) for m in siblings])
+                shared = torch.stack([read_scale(m, m + ".weight") for m in siblings])
                 scales.update(dict.fromkeys(siblings, shared.amax(0)))
             else:
-                scales[module] = weight_scale(plan.load(weight_key(module), mmap=False), scheme)
-        if not torch.isfinite(scales[module]).all():  # NaN/Inf in the weight: refused, as quantize refuses it
-            key = weight_key(module)
-            raise ValueError(
-                f"{plan.tensors[key].file.path}: {key} {list(plan.tensors[key].file.info(key).shape)} holds NaN/Inf "
-                f"values, which FP8 cannot represent; fix the weight or pass --exclude {module}"
-            )
+                scales[module] = read_scale(module, weight_key(module))
         return scales[module]
 
     def take_scale(module: str) -> torch.Tensor:
