@@ -134,17 +134,37 @@ def first_nonfinite(q: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(reversed(index))
 
 
-def scale_problem(scale: torch.Tensor) -> str | None:
+def smallest_scale(dtype: torch.dtype) -> float:
+    """The smallest scale qfp8 makes for ``dtype``: ``1e-12 / fmax`` in float32 (:func:`scale_from_amax`)."""
+    return float(scale_from_amax(torch.zeros(()), dtype))
+
+
+def scale_problem(scale: torch.Tensor, divides: torch.dtype | None = None) -> str | None:
     """What is wrong with a scale's values for the kernels, or None: a scale multiplies on dequantization, so
-    NaN/Inf gives NaN outputs and zero or negative wrong ones. Meta tensors have no values: None."""
+    NaN/Inf gives NaN outputs and zero or negative wrong ones. Meta tensors have no values: None.
+
+    ``divides``: the FP8 dtype of a scale that values are divided by when quantized (an activation or KV-cache
+    scale). Such a scale below :func:`smallest_scale` is refused too: ``x / scale`` overflows float32 for
+    ordinary ``x`` (every ``|x|`` above 0.034 at 1e-40), and an overflowed quotient is NaN."""
     if scale.device.type == "meta":
         return None
     bad = ~(torch.isfinite(scale) & (scale > 0))
-    if not bad.any():
+    if bad.any():
+        return (
+            f"{int(bad.sum())} of {scale.numel()} value(s) that are NaN/Inf, zero or negative (first: "
+            f"{scale[bad][0].item()}); scales must be finite and > 0"
+        )
+    if divides is None:
         return None
+    floor = smallest_scale(divides)
+    small = scale.to(torch.float32) < floor
+    if not small.any():
+        return None
+    first = scale[small][0].item()
     return (
-        f"{int(bad.sum())} of {scale.numel()} value(s) that are NaN/Inf, zero or negative (first: "
-        f"{scale[bad][0].item()}); scales must be finite and > 0"
+        f"{int(small.sum())} of {scale.numel()} value(s) below {floor:.4g}, the smallest scale qfp8 makes for "
+        f"{divides} ({EPS:g} / {fp8_max(divides):g}) (first: {first:.4g}); values are divided by it when "
+        f"quantized, and every |x| above {first * torch.finfo(torch.float32).max:.3g} would quantize to NaN"
     )
 
 

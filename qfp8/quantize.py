@@ -864,9 +864,9 @@ def freeze(model: nn.Module) -> nn.Module:
                 f"freeze: module {label!r}: FP8 weight [{module.out_features}, {module.in_features}] holds a "
                 f"NaN/Inf code at {list(at)}; the layer would output NaN"
             )
-        for key in ("weight_scale", "input_scale"):  # edited in place after quantize, say: as load_state_dict does
-            value = module._buffers.get(key)
-            problem = None if value is None or value.device.type == "meta" else formats.scale_problem(value)
+        for key, divides in (("weight_scale", None), ("input_scale", module.scheme.activation_dtype)):
+            value = module._buffers.get(key)  # edited in place after quantize, say: as load_state_dict checks
+            problem = None if value is None or value.device.type == "meta" else formats.scale_problem(value, divides)
             if problem is not None:
                 raise ValueError(f"freeze: module {label!r}: {key} {list(value.shape)} holds {problem}")
     for module in qlinears.values():

@@ -382,6 +382,16 @@ def test_freeze_refuses_a_scale_edited_to_a_value_the_kernels_cannot_use(key, ba
         qfp8.freeze(model)
 
 
+def test_freeze_refuses_an_input_scale_edited_below_the_smallest_qfp8_makes():
+    model = nn.Sequential(nn.Linear(16, 8))
+    qfp8.quantize(model, activations="static")
+    with qfp8.calibrate(model):
+        model(torch.randn(4, 16))
+    model[0].input_scale[0] = 5e-39
+    with pytest.raises(ValueError, match=r"freeze: module '0': input_scale \[1\] holds 1 of 1 value\(s\) below"):
+        qfp8.freeze(model)
+
+
 def test_freeze_names_the_weight_shape_not_the_packed_layout():
     model = nn.Sequential(nn.Linear(4, 4))
     qfp8.quantize(model)

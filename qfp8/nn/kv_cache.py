@@ -988,7 +988,7 @@ def _take_scale(attention: nn.Module, scale_name: str, state_dict, key: str) -> 
     if value.numel() != 1:
         raise ValueError(f"{key}: an FP8 KV-cache scale is per tensor (1 value), got shape {tuple(value.shape)}")
     value = value.detach().reshape(1).to(torch.float32)
-    problem = formats.scale_problem(value)
+    problem = formats.scale_problem(value, getattr(attention, "qfp8_kv_dtype", None))
     if problem is not None:
         raise ValueError(f"{key}: an FP8 KV-cache scale holds {problem}")
     state_dict[key] = value

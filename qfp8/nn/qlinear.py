@@ -787,8 +787,8 @@ class QLinear(nn.Module):
         if "input_scale" in loaded:
             loaded["input_scale"] = loaded["input_scale"].reshape(1).to(torch.float32)
         # Values the kernels cannot use: NaN/Inf FP8 codes, scales that are not finite and > 0.
-        for key in ("weight_scale", "input_scale"):
-            problem = formats.scale_problem(loaded[key]) if key in loaded else None
+        for key, divides in (("weight_scale", None), ("input_scale", self.scheme.activation_dtype)):
+            problem = formats.scale_problem(loaded[key], divides) if key in loaded else None
             if problem is not None:
                 error_msgs.append(f"{prefix}{key}: holds {problem}")
         if "weight" in loaded:

@@ -411,6 +411,16 @@ def test_unusable_scale_values_are_refused(base_model, value):
         model.load_state_dict(state, strict=False)
 
 
+def test_a_scale_below_the_smallest_qfp8_makes_is_refused(base_model):
+    """Keys and values are divided by the scale: at 1e-44 every |k| above 3.3e-6 quantized to NaN."""
+    model = copy.deepcopy(base_model)
+    kvc.enable_fp8_kv_cache(model)
+    state = model.state_dict()
+    state["model.layers.1.self_attn.k_scale"] = torch.tensor([1e-44])
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_scale: .*below 2.232e-15, the smallest"):
+        model.load_state_dict(state, strict=False)
+
+
 @pytest.mark.parametrize("fill", [float("nan"), 0.0], ids=["all-nan", "all-zero"])
 def test_calibration_that_sees_no_finite_nonzero_value_leaves_the_cache_dynamic(base_model, fill):
     model = copy.deepcopy(base_model)

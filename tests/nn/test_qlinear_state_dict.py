@@ -73,6 +73,30 @@ def test_unusable_scales_are_refused(key, value):
         assert torch.equal(v, before[k]), k
 
 
+@pytest.mark.parametrize("value", [5e-39, 1e-30, 2e-15])
+def test_an_input_scale_below_the_smallest_qfp8_makes_is_refused(value):
+    """x / 5e-39 overflows float32 for |x| above 1.7, and an overflowed quotient quantizes to NaN: every output
+    was NaN. The floor is 1e-12 / 448, the smallest scale calibration gives."""
+    model = _model("static")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["0.input_scale"] = torch.tensor([value])
+    with pytest.raises(RuntimeError, match=r"0.input_scale: .*below 2.232e-15, the smallest scale qfp8 makes"):
+        model.load_state_dict(state)
+    state["0.input_scale"] = torch.tensor([2.3e-15])  # just above: taken, and the outputs are finite
+    model.load_state_dict(state)
+    assert model(torch.randn(3, 16)).isfinite().all()
+
+
+def test_a_tiny_weight_scale_is_still_taken():
+    """A weight scale only multiplies: a tiny one gives tiny outputs, not NaN, so no floor applies to it."""
+    model = _model("static")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["0.weight_scale"] = torch.full_like(state["0.weight_scale"], 1e-30)
+    model.load_state_dict(state)
+    y = model[0](torch.randn(3, 16))
+    assert y.isfinite().all()
+
+
 @pytest.mark.parametrize("dtype", FP8)
 def test_nonfinite_weight_codes_are_refused_on_load_and_at_freeze(dtype):
     model = _model(weights=str(dtype).removeprefix("torch."))
