@@ -330,6 +330,37 @@ def test_tiny_and_huge_scales_tiny_activations(isa, w_scale, x_scale):
             assert rel_error(y, ref) <= TOLERANCE[torch.float32], f"M={m} block={block}"
 
 
+W8A8_GRANULARITIES = {"tensor": (), "channel": (), "block-odd": (16, 7), "block-even": (48, 10), "block-128": (128, 128)}
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x-f32", "x-bf16"])
+@pytest.mark.parametrize("magnitudes", [(3e35, 3e-5), (1e-3, 1e35)], ids=["huge-w", "huge-x"])
+@pytest.mark.parametrize("activation", ["token", "tensor", "static", "token-mse", "group"], ids=lambda a: f"a-{a}")
+@pytest.mark.parametrize("granularity", list(W8A8_GRANULARITIES), ids=lambda g: f"w-{g}")
+def test_w8a8_at_extreme_magnitudes_is_finite_and_accurate(isa, granularity, activation, magnitudes, x_dtype):
+    """W8A8 multiplies FP8 codes by FP8 codes (up to 448 x 448 a term) and scales after. With a weight scale
+    near 1e33 applied before the row's activation scale, those float32 sums overflowed to Inf/NaN (61 of 144
+    outputs) where the float64 result is about 2e32. Huge activations times small weights must hold too."""
+    w_size, x_size = magnitudes
+    block_size = W8A8_GRANULARITIES[granularity]
+    for m, n, k in [(1, 40, 130), (5, 33, 300), (40, 70, 256)]:
+        torch.manual_seed(m)
+        w = torch.randn(n, k) * w_size
+        q, scale = formats.quantize_weight(w, torch.float8_e4m3fn, granularity.split("-")[0], block_size or None)
+        x = (torch.randn(m, k) * x_size).to(x_dtype)
+        input_scale = formats.scale_from_amax(x.float().abs().amax(), torch.float8_e4m3fn).reshape(1)
+        input_scale = input_scale if activation == "static" else None
+        y = run_kernel(x, q, scale, None, block_size, activation, input_scale)
+        granularity_x = "tensor" if activation == "static" else activation
+        xq, xs = formats.quantize_activation(x.float(), torch.float8_e4m3fn, granularity_x, scale=input_scale)
+        xs = xs.double()
+        x_values = formats.fp8_to_float(xq).double() * (formats.expand_group_scale(xs, k) if activation == "group" else xs)
+        ref = float64_reference(x_values, q, scale, None, block_size)
+        assert ref.isfinite().all() and ref.abs().max() < 1e37
+        assert y.isfinite().all(), f"{isa} M={m}: {int((~y.isfinite()).sum())} of {y.numel()} outputs not finite"
+        assert rel_error(y, ref) <= TOLERANCE[x_dtype], f"{isa} M={m}: relative error {rel_error(y, ref):.2e}"
+
+
 @pytest.mark.parametrize("x_dtype", list(X_IDS), ids=list(X_IDS.values()))
 @pytest.mark.parametrize("granularity", ["channel", "block-even"], ids=lambda g: f"w-{g}")
 def test_many_rows_in_uneven_register_blocks(isa, x_dtype, granularity):

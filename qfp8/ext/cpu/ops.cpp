@@ -422,12 +422,15 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
           break;
         case kGroup: {
           const int64_t groups = (K + kActivationGroup - 1) / kActivationGroup;
+          float largest = 0.0f;
           for (int64_t g = 0; g < K; g += kActivationGroup) {
             const int64_t n = std::min(K, g + kActivationGroup) - g;
             const float scale = scale_from_amax(finite_amax(xr + g, n), qmax);
             quantize_row(xr + g, n, scale, group_scale ? 1.0f : scale, grid, out + g);
             if (group_scale) group_scale[m * groups + g / kActivationGroup] = scale;
+            largest = std::max(largest, scale);
           }
+          row_scale[m] = largest;  // the row's largest group scale (scaled_linear_into's overflow guard)
           break;
         }
       }
@@ -530,6 +533,29 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   p.format = format;
   p.format_factor = format_factor(format);
   p.scale = weight_scale.data_ptr<float>();
+  // Row-scaled W8A8 (token, token-mse, tensor, static) multiplies FP8 codes
+  // by FP8 codes (up to 448 x 448 per term) and applies the weight scale
+  // before the row's activation scale: a weight scale above about 1e31
+  // overflowed those float32 sums to Inf/NaN where the result is finite
+  // (weights of 3e35 times activations of 3e-5, measured). Such scales are
+  // taken down by a power of two, exactly, and the row scales up by it
+  // after the activations are quantized. Group scales need none of this:
+  // they multiply each segment together with the block scales, or sit in
+  // the values.
+  constexpr int kLargestKept = 32;  // scales up to 2^32 stay as they are (the same bits as before)
+  auto excess = [&](const float* values, int64_t count) {
+    float largest = 0.0f;
+    for (int64_t i = 0; i < count; ++i) largest = std::max(largest, values[i]);
+    return std::isfinite(largest) && std::ilogb(largest) > kLargestKept ? std::ilogb(largest) - kLargestKept : 0;
+  };
+  const bool row_scaled = mode == kToken || mode == kTokenMse || mode == kTensor || mode == kStatic;
+  const int scale_shift = row_scaled ? excess(p.scale, weight_scale.numel()) : 0;
+  std::vector<float> shifted_scale;
+  if (scale_shift) {
+    shifted_scale.resize(weight_scale.numel());
+    for (size_t i = 0; i < shifted_scale.size(); ++i) shifted_scale[i] = std::ldexp(p.scale[i], -scale_shift);
+    p.scale = shifted_scale.data();
+  }
   p.out = out.data_ptr();
   p.out_dtype = xdtype == at::kFloat ? kOutFloat : (xdtype == at::kBFloat16 ? kOutBFloat16 : kOutHalf);
   p.ldo = N;
@@ -541,6 +567,25 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   // is not asked again: it would decline for the same reason).
   bool declined = false;
   std::vector<float> row_scale, group_scale;
+  // Group scales are the mirror case: the tiles apply them to each
+  // segment's sums (or they sit in the float32 values) before a channel
+  // weight scale, so a row whose largest group scale is above 2^32
+  // (activations of 1e35 times weights of 1e-3, measured) has its group
+  // scales (or values) taken down by a power of two, and a row scale of
+  // that power puts it back at the end. `data` holds M rows of `stride`
+  // (group scales or values); row_scale holds each row's largest group
+  // scale (prepare_activations) and becomes the row scale.
+  auto group_shift = [&](float* data, int64_t stride) {
+    bool any = false;
+    for (int64_t m = 0; m < M; ++m) {
+      const int e = excess(&row_scale[m], 1);
+      row_scale[m] = std::ldexp(1.0f, e);
+      if (!e) continue;
+      any = true;
+      for (int64_t i = 0; i < stride; ++i) data[m * stride + i] = std::ldexp(data[m * stride + i], -e);
+    }
+    p.row_scale = any ? row_scale.data() : nullptr;
+  };
   std::unique_ptr<float[], void (*)(void*)> x_buffer{nullptr, std::free};  // not zeroed either: all written
   // Outlives the tiles (the ISA may read it in place). In huge pages and not
   // zeroed, as every value is written: a W8A8 2048 x 14336 call spent 78 ms
@@ -575,6 +620,7 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
     if (mode == kGroup) group_scale.resize(M * ((K + kActivationGroup - 1) / kActivationGroup));
     prepare_x(nullptr, x_quantized.get(), mode == kGroup ? group_scale.data() : nullptr);
     x_bf16 = x_quantized.get();
+    if (mode == kGroup) group_shift(group_scale.data(), (K + kActivationGroup - 1) / kActivationGroup);
   }
   if (x_bf16) {
     p.x_bf16 = x_bf16;
@@ -600,10 +646,14 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
     if (mode != kNone) row_scale.resize(M);
     prepare_x(x_buffer.get(), nullptr, nullptr);
     p.x = x_buffer.get();
+    if (mode == kGroup) group_shift(x_buffer.get(), Kp);
     if (mode != kNone && mode != kGroup) p.row_scale = row_scale.data();
   }
   if (isa.prepare && !prepared && !declined) prepared = isa.prepare(p);
   p.prepared = prepared.get();
+  if (scale_shift && p.row_scale) {
+    for (auto& r : row_scale) r = std::ldexp(r, scale_shift);
+  }
   const LinearTilesFn fn = isa.fn;
   // At least ~256K multiply-adds per chunk so that small layers run inline.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, M * Kp * kTileN));
