@@ -206,10 +206,19 @@ def _check_block_size(block_size) -> tuple[int, int]:
     return (int(block_size[0]), int(block_size[1]))
 
 
+def fitted_block_size(shape: tuple[int, int], block_size) -> tuple[int, int]:
+    """``block_size`` with each side at most the weight's (at least 1): the same block grid, so padding to it
+    never allocates more than about twice the weight (a block_size of 10^6 had padded a 64 x 128 weight to
+    10^12 elements)."""
+    n, k = shape
+    bn, bk = block_size
+    return (max(1, min(int(bn), n)), max(1, min(int(bk), k)))
+
+
 def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block_size) -> torch.Tensor:
     """A ``[ceil(N/bn), ceil(K/bk)]`` block scale broadcast to ``[N, K]``."""
     n, k = shape
-    bn, bk = block_size
+    bn, bk = fitted_block_size(shape, block_size)
     return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
 
 
@@ -267,7 +276,7 @@ def _weight_amax(weight: torch.Tensor, granularity: str, block_size=DEFAULT_BLOC
         return w.amax(dim=1, keepdim=True)
     if granularity == "block":
         n, k = w.shape
-        bn, bk = _check_block_size(block_size)
+        bn, bk = fitted_block_size((n, k), _check_block_size(block_size))
         nb, kb = block_scale_shape((n, k), (bn, bk))
         padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=w.device)
         padded[:n, :k] = w

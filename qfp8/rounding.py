@@ -86,7 +86,7 @@ def _group_sum(values: torch.Tensor, granularity: str, block_size) -> torch.Tens
     if granularity == "channel":
         return values.sum(dim=1, keepdim=True)
     n, k = values.shape
-    bn, bk = block_size
+    bn, bk = formats.fitted_block_size((n, k), block_size)
     nb, kb = formats.block_scale_shape((n, k), (bn, bk))
     padded = values.new_zeros(nb * bn, kb * bk)
     padded[:n, :k] = values

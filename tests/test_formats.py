@@ -198,3 +198,17 @@ def test_sqnr():
     x = torch.randn(100, dtype=torch.float64)
     assert formats.sqnr(x, x) == math.inf
     assert abs(formats.sqnr(x, x * 1.1) - 20.0) < 1e-9
+
+
+@pytest.mark.parametrize("block_size", [(10**9, 10**9), (10**9, 16), (8, 10**9)], ids=["both", "rows", "columns"])
+def test_a_block_larger_than_the_weight_is_the_weight_sized_block(block_size):
+    """The amax and scale broadcast padded the weight to the whole block grid: at (10^6, 10^6) a 64 x 128 weight
+    asked for 4e12 bytes, at 65536 it took 17 GB. A side beyond the weight is the weight's side: same grid."""
+    w = torch.randn(64, 128)
+    fitted = (min(block_size[0], 64), min(block_size[1], 128))
+    q, scale = formats.quantize_weight(w, granularity="block", block_size=block_size)
+    q_fitted, scale_fitted = formats.quantize_weight(w, granularity="block", block_size=fitted)
+    assert scale.shape == scale_fitted.shape == formats.block_scale_shape((64, 128), block_size)
+    assert torch.equal(scale, scale_fitted) and torch.equal(q.view(torch.uint8), q_fitted.view(torch.uint8))
+    w_hat = formats.dequantize_weight(q, scale, block_size)
+    assert formats.sqnr(w.double(), w_hat) > 28

@@ -411,3 +411,19 @@ def test_a_meta_input_gives_a_meta_output_on_every_path():
     handle.remove()
     model.to("meta")
     assert model(x).shape == (2, 33)
+
+
+@pytest.mark.parametrize("accuracy", [False, True], ids=["plain", "accuracy-mode"])
+def test_a_huge_block_size_quantizes_and_runs(accuracy):
+    """qfp8.quantize(block_size=(10**6, 10**6)) raised an allocation RuntimeError (4e12 bytes); a block beyond
+    the weight now means one block per side. Accuracy mode's scale search pads to the grid too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 32))
+    x = torch.randn(5, 64)
+    reference = model(x).detach().double()
+    qfp8.quantize(model, weight_scale="block", block_size=(10**6, 10**6), accuracy="scale" if accuracy else None)
+    if accuracy:
+        with qfp8.calibrate(model):
+            model(torch.randn(16, 64))
+    assert model[0].weight_scale.shape == (1, 1)
+    assert qfp8.formats.sqnr(reference, model(x)) > 25

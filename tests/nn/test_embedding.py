@@ -58,11 +58,13 @@ def quantized(model=None, **kwargs):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("shape", [(1, 1), (33, 7), (70, 577), (64, 64)])
-@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block", "huge-block"])
 def test_rows_from_the_layout_are_the_dequantized_weight_rows_bit_for_bit(layout, fp8, shape, granularity):
+    """huge-block: (10^6, 10^6), one block for the whole weight (the row scales had been 10^6 columns wide)."""
     n, k = shape
     weight = torch.randn(n, k) * torch.logspace(-3, 3, n).unsqueeze(1)  # rows of very different sizes
-    block = (16, 8) if granularity == "block" else None
+    block = {"block": (16, 8), "huge-block": (10**6, 10**6)}.get(granularity)
+    granularity = granularity.removeprefix("huge-")
     q, scale = formats.quantize_weight(weight, fp8, granularity, block)
     packed = routing.kernel_by_name(layout).pack(q)
     ids = torch.randint(0, n, (3, 5))
