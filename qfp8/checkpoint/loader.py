@@ -761,6 +761,21 @@ def _compute_dtype(dtype, config_dtype) -> torch.dtype:
     return named
 
 
+def _usable_device(device) -> torch.device:
+    """``device`` as a torch.device this build and machine can put tensors on, checked before the load (which
+    had run whole before torch's AssertionError for "cuda" on a CPU build)."""
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"from_pretrained: device must be a str, torch.device or int, got {type(device).__name__}")
+    try:
+        usable = torch.device(device)
+        torch.empty(0, device=usable)
+    except (RuntimeError, AssertionError) as error:
+        raise ValueError(f"from_pretrained: device={str(device)!r} cannot be used here: {error}") from None
+    return usable
+
+
 def from_pretrained(
     path: str | os.PathLike,
     device: str | torch.device = "cpu",
@@ -779,6 +794,7 @@ def from_pretrained(
         if dtype is not None:
             raise TypeError("from_pretrained: give dtype or torch_dtype, not both (they are one argument)")
         dtype = torch_dtype
+    device = _usable_device(device)
     checkpoint = open_checkpoint(path)
     plan = checkpoint.plan()
     if plan.format == "float":

@@ -163,6 +163,8 @@ class ModelLinears(NamedTuple):
     config_class: type | None = None  # transformers' config class of the checkpoint
     # Linears quantize keeps float by their kind (SigLIP's nn.MultiheadAttention projection): name -> why
     kind_reasons: dict[str, str] | None = None
+    # each parameter's shape in the model config.json describes, by checkpoint name
+    shapes: dict[str, tuple[int, ...]] | None = None
 
 
 class _StoredNames:
@@ -212,13 +214,40 @@ def _linear_names(config_dir: Path, stored: set[str]) -> ModelLinears:
             parts.update((part, (item.name, expert)) for part in expert)
     others = other_weight_kinds(model, {id(item.module._parameters[item.attr]) for item in fused})
     holders: dict[int, list[str]] = {}
+    shapes = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(param), []).append(in_checkpoint.to_checkpoint(name))
+        shapes[holders[id(param)][-1]] = tuple(param.shape)
     shared = {name: [n for n in group if n != name] for group in holders.values() if len(group) > 1 for name in group}
     tied = _tied_head(model, in_checkpoint)
     return ModelLinears(
-        linears, parts, type(model).__name__, others, tied, shared, model_names, type(config), kind_reasons
+        linears, parts, type(model).__name__, others, tied, shared, model_names, type(config), kind_reasons, shapes
     )
+
+
+def _check_against_config(found: ModelLinears, plan, directory: Path, weight_keys: dict[str, str]) -> None:
+    """ValueError, before anything is written, for a checkpoint its config.json does not describe: a stored
+    tensor of another shape than the model's, or a Linear weight stored under none of its names. Either was
+    written with exit 0, and qfp8.from_pretrained then refused the output."""
+    described = f"the model config.json describes ({found.model_name}, {directory / 'config.json'})"
+    for key, shape in found.shapes.items():
+        stored = plan.tensors.get(key)
+        if stored is None:
+            continue
+        have = tuple(stored.file.info(stored.name).shape)
+        if have != shape:
+            raise ValueError(
+                f"{stored.file.path}: {stored.name} has shape {list(have)}, but {described} expects {list(shape)}; "
+                "the checkpoint and its config.json do not match"
+            )
+    for name in found.linears:
+        key = weight_keys.get(name, name + ".weight")
+        names = [key, name + ".weight", *(found.shared or {}).get(name + ".weight", [])]
+        if key != "" and not any(n in plan.tensors for n in names):
+            raise ValueError(
+                f"{directory}: {name}.weight is not stored in the checkpoint, but {described} has that Linear; "
+                "the checkpoint and its config.json do not match"
+            )
 
 
 def _tied_head(model: torch.nn.Module, names: _StoredNames) -> tuple[str, str, str | None] | None:
@@ -406,6 +435,7 @@ def stream_quantize(
                 skipped.update(keys[1:])  # stored twice (equal): written once, as the head's rows
                 if exclude and not excluded_by(head, exclude):  # a bare --exclude asks for everything
                     warnings.warn(tied_head_note(head, embedding, "qfp8 quantize", "--exclude"), stacklevel=2)
+    _check_against_config(found, plan, checkpoint.directory, weight_keys)
     for name in linears:
         stored = plan.tensors.get(weight_keys[name])
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)

@@ -312,6 +312,16 @@ def write_checkpoint(
     else:
         shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     directory = check_output_directory(directory, "write_checkpoint")
+    # A folder where a file goes cannot be replaced: said before anything is written (the shards had been
+    # moved in already when config.json, a folder, raised IsADirectoryError).
+    targets = [*shard_names, *(extra_files or {}), "config.json", *([INDEX_NAME] if len(shards) > 1 else [])]
+    for name in targets:
+        path = directory / name
+        if path.exists() and not path.is_file():
+            raise ValueError(
+                f"write_checkpoint: {path} is a folder (or another non-file), where the checkpoint writes its "
+                f"{name}; remove it or give another folder. Nothing was written"
+            )
     old = previous_checkpoint_files(directory)
     with AtomicDirectoryWrite(directory) as out:
         for shard_name, shard in zip(shard_names, shards, strict=True):

@@ -217,6 +217,28 @@ def test_save_onto_a_file_path(tiny, tmp_path):
     assert path.read_bytes() == b"a file"
 
 
+def test_an_unusable_device_is_refused_before_the_load(saved):
+    """torch's AssertionError ("Torch not compiled with CUDA enabled") or RuntimeError came after the whole load."""
+    bad = ["tpu9", 7] if torch.cuda.is_available() else ["cuda", "tpu9", 7]
+    for device in bad:
+        with pytest.raises(ValueError, match=rf"from_pretrained: device='{device}' cannot be used here: "):
+            qfp8.from_pretrained(saved, device=device)
+    with pytest.raises(TypeError, match=r"device must be a str, torch.device or int, got float"):
+        qfp8.from_pretrained(saved, device=1.5)
+    assert next(qfp8.from_pretrained(saved, device=None).parameters()).device.type == "cpu"
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "generation_config.json"])
+def test_a_folder_where_a_checkpoint_file_goes_is_refused_before_writing(tiny, tmp_path, name):
+    """With config.json a folder, model.safetensors had been moved in before IsADirectoryError: half a checkpoint."""
+    model = tiny.model()
+    qfp8.quantize(model)
+    (tmp_path / "out" / name).mkdir(parents=True)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path / 'out' / name))} is a folder .*Nothing was written"):
+        qfp8.save_pretrained(model, tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [name]
+
+
 def test_a_destination_behind_a_dangling_link_is_refused_before_any_work(tmp_path):
     from qfp8.checkpoint.writer import check_output_directory
 

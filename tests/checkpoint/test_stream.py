@@ -419,6 +419,34 @@ def test_stream_writes_the_config_keys_save_pretrained_writes(tiny, tmp_path):
     assert written["rope_theta"] == 500000.0 and written["architectures"] == ["LlamaForCausalLM"]
 
 
+@pytest.mark.parametrize("case", ["wrong-shape", "missing-weight", "config-hidden-size", "config-layers"])
+def test_stream_refuses_a_checkpoint_its_config_does_not_describe(tiny, tmp_path, case):
+    """Each was written with exit 0 (the missing Linear as "tied to another tensor", kept float, the wrong shapes
+    quantized as stored), and qfp8.from_pretrained then refused the output."""
+    source = tmp_path / "float"
+    tiny.model().save_pretrained(source)
+    state = tiny.tensors(source)
+    key = next(k for k in sorted(state) if k.endswith("layers.1.mlp.down_proj.weight"))
+    config = json.loads((source / "config.json").read_text())
+    if case == "wrong-shape":
+        state[key] = state[key][:, :10].contiguous()
+        match = rf"model\.safetensors: {key} has shape \[\d+, 10\], but the model config.json describes .* expects"
+    elif case == "missing-weight":
+        del state[key]
+        match = rf"{key} is not stored in the checkpoint, but the model config.json describes .* has that Linear"
+    elif case == "config-hidden-size":
+        config["hidden_size"] += 32
+        match = r"has shape .* expects .*; the checkpoint and its config.json do not match"
+    else:
+        config["num_hidden_layers"] += 1
+        match = r"layers\.\d+\.\S+\.weight is not stored in the checkpoint"
+    save_file(state, source / "model.safetensors", metadata={"format": "pt"})
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        main(["quantize", str(source), str(tmp_path / "fp8"), "--no-progress"])
+    assert not (tmp_path / "fp8").exists()
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_stream_refuses_a_nonfinite_weight_before_writing(tiny, tmp_path, bad):
     # As quantize refuses it: the FP8 codes and scale would be NaN, a checkpoint that loads nowhere.
