@@ -38,6 +38,7 @@ its tensor is stored. Tensors are fetched one at a time, memory-mapped
 from __future__ import annotations
 
 import json
+import re
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -212,6 +213,50 @@ def resolve(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"{text}: no such checkpoint folder")
 
 
+def _check_config_types(config, config_path: Path) -> None:
+    """ValueError naming the file and key for JSON of the wrong type where qfp8 reads a checkpoint's config (a
+    string where an object goes, an int target, a bad ``re:`` pattern, an unknown dtype): they had surfaced as
+    AttributeError, TypeError or re.error from deep in the reader."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path}: must hold a JSON object, got {type(config).__name__}")
+    for key in ("torch_dtype", "dtype"):
+        value = config.get(key)
+        if value is None or value == "auto":
+            continue
+        if not isinstance(value, str) or not isinstance(getattr(torch, value, None), torch.dtype):
+            raise ValueError(f"{config_path}: {key} {value!r} is not a torch dtype name (such as 'bfloat16')")
+    qc = config.get("quantization_config")
+    if qc is None:
+        return
+    if not isinstance(qc, dict):
+        raise ValueError(f"{config_path}: quantization_config must be a JSON object, got {type(qc).__name__}")
+
+    def patterns(value, where: str) -> None:
+        if value is None:
+            return
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise ValueError(f"{config_path}: {where} must be a list of module names or patterns (strings)")
+        for item in value:
+            if item.startswith("re:"):
+                try:
+                    re.compile(item[3:])
+                except re.error as error:
+                    raise ValueError(f"{config_path}: {where} pattern {item!r} is not a regex: {error}") from None
+
+    patterns(qc.get("ignore"), "quantization_config.ignore")
+    groups = qc.get("config_groups")
+    if groups is not None and not isinstance(groups, dict):
+        raise ValueError(f"{config_path}: quantization_config.config_groups must be a JSON object of groups")
+    for name, group in (groups or {}).items():
+        where = f"quantization_config.config_groups.{name}"
+        if not isinstance(group, dict):
+            raise ValueError(f"{config_path}: {where} must be a JSON object, got {type(group).__name__}")
+        patterns(group.get("targets"), f"{where}.targets")
+        for part in ("weights", "input_activations", "output_activations"):
+            if group.get(part) is not None and not isinstance(group[part], dict):
+                raise ValueError(f"{config_path}: {where}.{part} must be a JSON object or null")
+
+
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Parses the config and safetensors headers of a checkpoint folder (reads no tensor data)."""
     directory = resolve(path)
@@ -222,14 +267,24 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             config = json.loads(config_path.read_text())
         except json.JSONDecodeError as error:
             raise ValueError(f"{config_path}: not valid JSON: {error}") from None
+    _check_config_types(config, config_path)
     index_path = directory / INDEX_NAME
     if index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ValueError(f"{index_path}: not a safetensors index (no weight_map): {error}") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError(f"{index_path}: weight_map must map tensor names to shard file names (strings)")
         names = sorted(set(weight_map.values()))
         for name in names:
+            if Path(name).name != name or name in (".", ".."):  # "../other/model.safetensors" had been followed
+                raise ValueError(
+                    f"{index_path} lists shard {name!r}, which is not a file name in {directory}; shards sit "
+                    "beside the index"
+                )
             if Path(name).suffix in PICKLE_SUFFIXES:
                 raise ValueError(refuse_pickle_message(directory / name))
             if not (directory / name).is_file():

@@ -319,3 +319,53 @@ def test_a_config_tying_a_quantized_lm_head_loads_it_untied(tiny, tmp_path, x):
     assert loaded.config.tie_word_embeddings is False
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+def _group(config):
+    return next(iter(config["quantization_config"]["config_groups"].values()))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: c.__setitem__("quantization_config", "fp8"), r"quantization_config must be a JSON object, got str"),
+        (lambda c: c["quantization_config"].__setitem__("config_groups", ["g"]), r"config_groups must be a JSON obj"),
+        (lambda c: c["quantization_config"]["config_groups"].__setitem__("group_0", "x"), r"group_0 must be a JSON"),
+        (lambda c: _group(c).__setitem__("weights", "fp8"), r"\.weights must be a JSON object or null"),
+        (lambda c: _group(c).__setitem__("input_activations", 1), r"\.input_activations must be a JSON object"),
+        (lambda c: _group(c).__setitem__("targets", "Linear"), r"\.targets must be a list of module names"),
+        (lambda c: _group(c).__setitem__("targets", [3]), r"\.targets must be a list of module names"),
+        (lambda c: _group(c).__setitem__("targets", ["re:("]), r"\.targets pattern 're:\(' is not a regex"),
+        (lambda c: c["quantization_config"].__setitem__("ignore", [1]), r"quantization_config\.ignore must be a list"),
+        (lambda c: c.__setitem__("torch_dtype", "float9"), r"torch_dtype 'float9' is not a torch dtype name"),
+    ],
+    ids=["qc", "groups", "group", "weights", "inputs", "targets-str", "targets-int", "targets-re", "ignore", "dtype"],
+)
+def test_config_json_of_the_wrong_type_names_the_file_and_key(saved, edit, match):
+    """Each had raised AttributeError, TypeError or re.error from deep in the reader."""
+    config = json.loads((saved / "config.json").read_text())
+    edit(config)
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"config\.json: .*{match}"):
+        qfp8.from_pretrained(saved)
+
+
+@pytest.mark.parametrize("case", ["map-str", "map-int", "outside"])
+def test_a_shard_index_of_the_wrong_type_or_outside_the_folder_is_refused(tiny, tmp_path, case):
+    """An index naming ../other/model.safetensors had been followed out of the checkpoint's folder."""
+    model = tiny.model()
+    qfp8.quantize(model)
+    qfp8.save_pretrained(model, tmp_path / "other")
+    qfp8.save_pretrained(model, tmp_path / "ck", max_shard_size="100KB")
+    index_path = tmp_path / "ck" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    if case == "map-str":
+        index["weight_map"] = "model.safetensors"
+    elif case == "map-int":
+        index["weight_map"] = dict.fromkeys(index["weight_map"], 1)
+    else:
+        index["weight_map"] = dict.fromkeys(index["weight_map"], "../other/model.safetensors")
+    index_path.write_text(json.dumps(index))
+    match = r"which is not a file name in .*ck; shards sit beside" if case == "outside" else r"weight_map must map"
+    with pytest.raises(ValueError, match=match):
+        qfp8.from_pretrained(tmp_path / "ck")
