@@ -544,6 +544,11 @@ def save_pretrained(
         raise TypeError(f"save_pretrained takes an nn.Module, got {type(model).__name__}")
     model = unwrapped(model)
     check_output_directory(directory, "save_pretrained")
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(
+            f"save_pretrained: tokenizer must be a tokenizer or processor (with save_pretrained), got "
+            f"{type(tokenizer).__name__}"
+        )
     config = model_config_dict(model)
     model_names: dict[str, str] = {}
     layers = model_layers(model, model_names)

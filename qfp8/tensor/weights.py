@@ -140,9 +140,10 @@ def _linear(x: torch.Tensor, weight: Float8WeightTensor, bias: torch.Tensor | No
             f"linear: the input is {x.dtype}; the FP8 weight [{weight.out_features}, {weight.in_features}] takes "
             f"float32, bfloat16, float16 or float64 inputs"
         )
-    if x.shape[-1] != weight.in_features:
+    if x.dim() == 0 or x.shape[-1] != weight.in_features:
         raise ValueError(
-            f"linear: input has {x.shape[-1]} features, the FP8 weight expects {weight.in_features} "
+            f"linear: input has {x.shape[-1] if x.dim() else 'no'} features (shape {list(x.shape)}), the FP8 "
+            f"weight expects {weight.in_features} "
             f"(weight shape [{weight.out_features}, {weight.in_features}])"
         )
     if bias is not None:

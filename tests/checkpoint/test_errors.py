@@ -206,6 +206,15 @@ def test_load_state_dict_refuses_bad_scales(tiny):
         qfp8.load_state_dict(model, state)
 
 
+def test_a_tokenizer_that_is_not_one_is_refused_before_writing(tiny, tmp_path):
+    """save_pretrained(tokenizer="x") raised AttributeError ('str' object has no attribute 'save_pretrained')."""
+    model = tiny.model()
+    qfp8.quantize(model)
+    with pytest.raises(TypeError, match=r"tokenizer must be a tokenizer or processor .*got str"):
+        qfp8.save_pretrained(model, tmp_path / "out", tokenizer="x")
+    assert not (tmp_path / "out").exists()
+
+
 def test_save_onto_a_file_path(tiny, tmp_path):
     model = tiny.model()
     qfp8.quantize(model)

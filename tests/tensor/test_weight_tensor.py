@@ -94,6 +94,8 @@ def test_linear_checks_features(weight):
     w = Float8WeightTensor.from_float(weight.float())
     with pytest.raises(ValueError, match="input has 79 features.*expects 80"):
         F.linear(torch.randn(2, 79), w)
+    with pytest.raises(ValueError, match=r"input has no features \(shape \[\]\).*expects 80"):  # was IndexError
+        F.linear(torch.tensor(1.0), w)
 
 
 def test_compile_traces_through_weight_subclass(weight):
