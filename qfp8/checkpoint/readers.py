@@ -38,8 +38,8 @@ its tensor is stored. Tensors are fetched one at a time, memory-mapped
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path

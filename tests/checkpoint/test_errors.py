@@ -243,7 +243,9 @@ def test_a_folder_where_a_checkpoint_file_goes_is_refused_before_writing(tiny, t
     model = tiny.model()
     qfp8.quantize(model)
     (tmp_path / "out" / name).mkdir(parents=True)
-    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path / 'out' / name))} is a folder .*Nothing was written"):
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(str(tmp_path / 'out' / name))} is a folder .*Nothing was written"
+    ):
         qfp8.save_pretrained(model, tmp_path / "out")
     assert [p.name for p in (tmp_path / "out").iterdir()] == [name]
 

@@ -330,7 +330,13 @@ def test_tiny_and_huge_scales_tiny_activations(isa, w_scale, x_scale):
             assert rel_error(y, ref) <= TOLERANCE[torch.float32], f"M={m} block={block}"
 
 
-W8A8_GRANULARITIES = {"tensor": (), "channel": (), "block-odd": (16, 7), "block-even": (48, 10), "block-128": (128, 128)}
+W8A8_GRANULARITIES = {
+    "tensor": (),
+    "channel": (),
+    "block-odd": (16, 7),
+    "block-even": (48, 10),
+    "block-128": (128, 128),
+}
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["x-f32", "x-bf16"])
@@ -354,7 +360,9 @@ def test_w8a8_at_extreme_magnitudes_is_finite_and_accurate(isa, granularity, act
         granularity_x = "tensor" if activation == "static" else activation
         xq, xs = formats.quantize_activation(x.float(), torch.float8_e4m3fn, granularity_x, scale=input_scale)
         xs = xs.double()
-        x_values = formats.fp8_to_float(xq).double() * (formats.expand_group_scale(xs, k) if activation == "group" else xs)
+        x_values = formats.fp8_to_float(xq).double() * (
+            formats.expand_group_scale(xs, k) if activation == "group" else xs
+        )
         ref = float64_reference(x_values, q, scale, None, block_size)
         assert ref.isfinite().all() and ref.abs().max() < 1e37
         assert y.isfinite().all(), f"{isa} M={m}: {int((~y.isfinite()).sum())} of {y.numel()} outputs not finite"
