@@ -188,7 +188,22 @@ def _(func, types, args, kwargs):
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     if not (isinstance(w, Float8WeightTensor) and w.transposed) or beta != 1 or alpha != 1:
         raise NotImplementedError(f"{func}: only addmm(bias, x, weight.t()) with beta = alpha = 1 is implemented")
-    return _linear(x, w._with(transposed=False), bias)
+    w = w._with(transposed=False)
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"addmm: the input must be a tensor, got {type(bias).__name__}")
+    if bias.dim() in (1, 2) and bias.shape[-1] == w.out_features and bias.numel() == w.out_features:
+        return _linear(x, w, bias.reshape(-1))  # [N] or [1, N]: the kernels add it as their bias
+    out = _linear(x, w, None)
+    try:
+        shape = torch.broadcast_shapes(bias.shape, out.shape)
+    except RuntimeError:
+        shape = None
+    if shape != out.shape:
+        raise ValueError(
+            f"addmm: the input of shape {list(bias.shape)} does not broadcast to the product's {list(out.shape)} "
+            f"(x {list(x.shape)} times the FP8 weight [{w.out_features}, {w.in_features}] transposed)"
+        )
+    return (out + bias).to(out.dtype)  # [M, N] or [M, 1]: added to the product, as torch.addmm does
 
 
 @Float8WeightTensor.implements(F.embedding, aten.embedding.default)

@@ -271,3 +271,18 @@ def test_share_memory_shares_the_fp8_data_and_scales(weight):
     assert torch.equal(F.linear(x, w), want)
     a = Float8ActivationTensor.quantize(x)
     assert a.share_memory_().is_shared()
+
+
+@pytest.mark.parametrize("shape", [(48,), (1, 48), (5, 48), (5, 1)], ids=["N", "1xN", "MxN", "Mx1"])
+def test_addmm_takes_any_input_that_broadcasts_to_the_product(weight, shape):
+    """torch.addmm's input broadcasts to [M, N]; an [M, N] or [M, 1] one had raised the kernel's RuntimeError
+    ("bias has shape [5, 48], expected [48]")."""
+    w = Float8WeightTensor.from_float(weight.float())
+    x = torch.randn(5, w.in_features)
+    inp = torch.randn(shape)
+    ref = torch.addmm(inp.double(), x.double(), w.float().double().t())
+    y = torch.addmm(inp, x, w.t())
+    assert y.shape == (5, w.out_features) and y.dtype == x.dtype
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    with pytest.raises(ValueError, match=r"addmm: the input of shape \[4, 48\] does not broadcast to the product"):
+        torch.addmm(torch.randn(4, 48), x, w.t())
