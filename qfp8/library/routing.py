@@ -158,8 +158,8 @@ def dequantized_rows(
     if scale.numel() == 1:
         values = values * scale.reshape(())
     elif block_size:
-        block_n, block_k = block_size
-        row_scale = scale.index_select(0, flat // block_n).repeat_interleave(min(block_k, in_features), dim=1)
+        block_n, block_k = formats.fitted_block_size((out_features, in_features), block_size)
+        row_scale = scale.index_select(0, flat // block_n).repeat_interleave(block_k, dim=1)
         values = values * row_scale[:, :in_features]
     else:
         values = values * scale.reshape(-1, 1).index_select(0, flat)

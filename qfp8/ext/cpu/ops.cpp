@@ -539,17 +539,16 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   // overflowed those float32 sums to Inf/NaN where the result is finite
   // (weights of 3e35 times activations of 3e-5, measured). Such scales are
   // taken down by a power of two, exactly, and the row scales up by it
-  // after the activations are quantized. Group scales need none of this:
-  // they multiply each segment together with the block scales, or sit in
-  // the values.
+  // after the activations are quantized. Group mode is the mirror case
+  // (group_shift below).
   constexpr int kLargestKept = 32;  // scales up to 2^32 stay as they are (the same bits as before)
-  auto excess = [&](const float* values, int64_t count) {
-    float largest = 0.0f;
-    for (int64_t i = 0; i < count; ++i) largest = std::max(largest, values[i]);
+  // The power of two that takes `largest` down to 2^32, or 0.
+  auto excess = [](float largest) {
     return std::isfinite(largest) && std::ilogb(largest) > kLargestKept ? std::ilogb(largest) - kLargestKept : 0;
   };
   const bool row_scaled = mode == kToken || mode == kTokenMse || mode == kTensor || mode == kStatic;
-  const int scale_shift = row_scaled ? excess(p.scale, weight_scale.numel()) : 0;
+  const int scale_shift =
+      row_scaled ? excess(*std::max_element(p.scale, p.scale + weight_scale.numel())) : 0;
   std::vector<float> shifted_scale;
   if (scale_shift) {
     shifted_scale.resize(weight_scale.numel());
@@ -578,7 +577,7 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   auto group_shift = [&](float* data, int64_t stride) {
     bool any = false;
     for (int64_t m = 0; m < M; ++m) {
-      const int e = excess(&row_scale[m], 1);
+      const int e = excess(row_scale[m]);
       row_scale[m] = std::ldexp(1.0f, e);
       if (!e) continue;
       any = true;
