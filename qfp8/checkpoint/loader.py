@@ -596,6 +596,8 @@ def normalize_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch
     """
     out: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
+        if not isinstance(key, str):
+            raise TypeError(f"state dict key {key!r} is {type(key).__name__}; keys are tensor names (str)")
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state dict entry {key!r} is {type(value).__name__}, not a tensor")
         if key.endswith(".weight_scale_inv"):

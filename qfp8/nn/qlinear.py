@@ -468,6 +468,10 @@ class QLinear(nn.Module):
                     if isinstance(value, nn.Parameter)
                     else value.clone()
                 )
+        if name in ("weight_scale", "input_scale", "bias") and "_kernel_op" in self.__dict__:
+            problem = self._state_problem(name, value, values=True)
+            if problem is not None:
+                raise problem
         super().__setattr__(name, value)
         self.__dict__["_fast"] = None
         if name == "input_scale" and "_kernel_op" in self.__dict__:
@@ -579,8 +583,44 @@ class QLinear(nn.Module):
             raise error
         raise problem from error
 
+    def _state_problem(self, name: str, value, values: bool = False) -> Exception | None:
+        """The ValueError / TypeError for ``value`` as the layer's ``name`` (weight_scale, input_scale or bias), or
+        None. With ``values`` (on assignment, not on every call) a scale's values are checked too (finite, > 0);
+        without (a kernel refused the call), its layout (contiguous, as the kernels take it)."""
+        layer = f"{self._placed}QLinear({self.in_features} -> {self.out_features})"
+        if value is None:
+            return ValueError(f"{layer}: weight_scale cannot be None") if name == "weight_scale" else None
+        if not isinstance(value, torch.Tensor):
+            return TypeError(f"{layer}: {name} must be a tensor, got {type(value).__name__}")
+        if name == "bias":
+            expected, dtypes = (self.out_features,), formats.FLOAT_DTYPES + (torch.float64,)
+        elif name == "weight_scale":
+            shape = (self.out_features, self.in_features)
+            expected = formats.weight_scale_shape(shape, self.scheme.weight_scale, self.scheme.block_size)
+            dtypes = (torch.float32,)
+        else:
+            expected, dtypes = (1,), (torch.float32,)
+        if value.dtype not in dtypes:
+            return TypeError(f"{layer}: {name} is {value.dtype}; expected {' or '.join(map(str, dtypes))}")
+        if tuple(value.shape) != expected and not (name == "input_scale" and value.numel() == 1):
+            return ValueError(f"{layer}: {name} has shape {tuple(value.shape)}; expected {expected}")
+        if not values and not value.is_contiguous():  # the reference route takes any stride
+            return ValueError(
+                f"{layer}: the {name} (stride {value.stride()}) is not contiguous; assign a contiguous one"
+            )
+        device = self.qweight.device
+        if value.device != device and "meta" not in (value.device.type, device.type):
+            return ValueError(f"{layer}: {name} is on {value.device}, the layer's weights on {device}")
+        if values and name != "bias":
+            problem = formats.scale_problem(value, self.scheme.activation_dtype if name == "input_scale" else None)
+            if problem is not None:
+                return ValueError(f"{layer}: {name} holds {problem}")
+        return None
+
     def _input_error(self, x) -> Exception | None:
-        """The ValueError / TypeError for an input the layer cannot take, or None if the input is not the cause."""
+        """The ValueError / TypeError for an input the layer cannot take, or for a weight scale, input scale or
+        bias put in place by a route that bypasses assignment (the module's dicts, ``torch.func.functional_call``);
+        None if neither is the cause."""
         layer = f"{self._placed}QLinear({self.extra_repr()})"
         if not isinstance(x, torch.Tensor):
             return TypeError(f"{layer}: the input must be a tensor, got {type(x).__name__}")
@@ -592,14 +632,18 @@ class QLinear(nn.Module):
             )
         if x.device != self.qweight.device and x.device.type != "meta":
             return ValueError(f"{layer}: the input is on {x.device}, the layer's weights on {self.qweight.device}")
-        bias = self._parameters["bias"]
-        if bias is not None and not bias.is_contiguous():
-            return ValueError(f"{layer}: the bias (stride {bias.stride()}) is not contiguous; assign a contiguous one")
         if x.dtype not in formats.FLOAT_DTYPES and self.packing != "reference":
             return TypeError(
                 f"{layer}: the input is {x.dtype}; the {self.packing} kernel takes float32, bfloat16 or float16 "
                 f"(for {x.dtype} convert the model too: model.to({x.dtype}) puts its layers on the reference route)"
             )
+        state = (("weight_scale", self._buffers["weight_scale"]), ("bias", self._parameters["bias"]))
+        if self.scheme.activations == "static":
+            state += (("input_scale", self._buffers["input_scale"]),)
+        for name, value in state:
+            problem = self._state_problem(name, value)
+            if problem is not None:
+                return problem
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -206,6 +206,20 @@ def test_load_state_dict_refuses_bad_scales(tiny):
         qfp8.load_state_dict(model, state)
 
 
+@pytest.mark.parametrize("key", [0, ("model", "norm"), None], ids=["int", "tuple", "none"])
+def test_load_state_dict_refuses_a_key_that_is_not_a_name(tiny, key):
+    """A non-str key raised AttributeError ('int' object has no attribute 'endswith'); the model is left as it was."""
+    model = tiny.model()
+    qfp8.quantize(model)
+    state = model.state_dict()
+    before = {name: t.clone() for name, t in state.items()}
+    doubled = {name: t * 2 if t.dtype in (torch.float32, torch.bfloat16) else t for name, t in state.items()}
+    bad = {**doubled, key: torch.ones(1)}  # the bad key last: nothing before it is loaded either
+    with pytest.raises(TypeError, match=rf"state dict key {re.escape(repr(key))} is {type(key).__name__}; keys are"):
+        qfp8.load_state_dict(model, bad)
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())
+
+
 def test_a_tokenizer_that_is_not_one_is_refused_before_writing(tiny, tmp_path):
     """save_pretrained(tokenizer="x") raised AttributeError ('str' object has no attribute 'save_pretrained')."""
     model = tiny.model()

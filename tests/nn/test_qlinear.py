@@ -245,6 +245,91 @@ def test_non_contiguous_bias_is_named():
         model(torch.randn(3, 16))
 
 
+BAD_STATE = [
+    ("weight_scale", lambda layer: torch.ones(5), ValueError, r"weight_scale has shape \(5,\); expected \(8, 1\)"),
+    ("weight_scale", lambda layer: layer.weight_scale.double(), TypeError, r"weight_scale is torch.float64"),
+    (
+        "weight_scale",
+        lambda layer: layer.weight_scale.clone().fill_(float("nan")),
+        ValueError,
+        r"weight_scale holds 8 of 8 .*NaN",
+    ),
+    ("weight_scale", lambda layer: -layer.weight_scale, ValueError, r"weight_scale holds .*zero or negative"),
+    ("weight_scale", lambda layer: None, ValueError, r"weight_scale cannot be None"),
+    ("weight_scale", lambda layer: [1.0], TypeError, r"weight_scale must be a tensor, got list"),
+    ("bias", lambda layer: nn.Parameter(torch.ones(7)), ValueError, r"bias has shape \(7,\); expected \(8,\)"),
+    ("bias", lambda layer: torch.ones(8, dtype=torch.int32), TypeError, r"bias is torch.int32"),
+    ("input_scale", lambda layer: torch.tensor([1e-30]), ValueError, r"input_scale holds 1 of 1 value\(s\) below"),
+    ("input_scale", lambda layer: torch.tensor([0.0]), ValueError, r"input_scale holds .*zero or negative"),
+    (
+        "input_scale",
+        lambda layer: torch.tensor([0.01], dtype=torch.float16),
+        TypeError,
+        r"input_scale is torch.float16",
+    ),
+    ("input_scale", lambda layer: torch.ones(2), ValueError, r"input_scale has shape \(2,\); expected \(1,\)"),
+]
+BAD_STATE_IDS = [
+    "scale-shape",
+    "scale-float64",
+    "scale-nan",
+    "scale-negative",
+    "scale-none",
+    "scale-list",
+    "bias-shape",
+    "bias-int",
+    "input-scale-tiny",
+    "input-scale-zero",
+    "input-scale-fp16",
+    "input-scale-shape",
+]
+
+
+@pytest.mark.parametrize(("name", "make", "error", "message"), BAD_STATE, ids=BAD_STATE_IDS)
+def test_a_bad_scale_or_bias_assigned_is_refused_naming_the_module(name, make, error, message):
+    model = nn.Sequential(nn.Linear(16, 8))
+    qfp8.quantize(model, activations="static")
+    x = torch.randn(3, 16)
+    with qfp8.calibrate(model):
+        model(x)
+    layer = model[0]
+    before = layer(x)
+    kept = getattr(layer, name)
+    with pytest.raises(error, match=r"module '0': QLinear\(16 -> 8\): " + message):
+        setattr(layer, name, make(layer))
+    assert getattr(layer, name) is kept  # the layer is as it was, and still runs
+    assert torch.equal(layer(x), before)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "error", "message"),
+    [
+        ("weight_scale", torch.ones(3), ValueError, r"weight_scale has shape \(3,\); expected \(8, 1\)"),
+        ("weight_scale", torch.ones(8, 1, dtype=torch.float64), TypeError, r"weight_scale is torch.float64"),
+        ("bias", torch.ones(3), ValueError, r"bias has shape \(3,\); expected \(8,\)"),
+        ("weight_scale", torch.ones(8, 2)[:, :1], ValueError, r"the weight_scale \(stride \(2, 1\)\) is not contig"),
+    ],
+    ids=["scale-shape", "scale-float64", "bias-shape", "scale-strided"],
+)
+@pytest.mark.parametrize("route", ["functional_call", "dict"])
+@pytest.mark.skipif(
+    cpu.cpu_kernel_isa() is None,
+    reason="the reference route computes with any scale that broadcasts; only a kernel refuses these",
+)
+def test_a_bad_scale_or_bias_that_bypasses_assignment_is_named_when_the_kernel_refuses_it(
+    name, value, error, message, route
+):
+    model = nn.Sequential(nn.Linear(16, 8))
+    qfp8.quantize(model)
+    x = torch.randn(3, 16)
+    with pytest.raises(error, match=r"module '0': QLinear\(16 -> 8\): " + message):
+        if route == "functional_call":
+            torch.func.functional_call(model, {f"0.{name}": value}, (x,))
+        else:
+            (model[0]._parameters if name == "bias" else model[0]._buffers)[name] = value
+            model(x)
+
+
 @pytest.mark.parametrize("accuracy", [None, "gptq"])
 def test_a_batch_refused_during_calibration_leaves_the_calibration_as_it_was(accuracy):
     model = nn.Sequential(make_linear())
