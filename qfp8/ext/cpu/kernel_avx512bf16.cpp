@@ -37,8 +37,9 @@
 // through K chunk by chunk (512 k pairs). Up to 64 virtual rows it converts
 // each group in registers as it multiplies it (every row block converts the
 // chunk again, from L1/L2); more rows multiply a bf16 panel (64 KB, in L2)
-// converted once per chunk (128-pair chunks in L1 measured 4 % slower at
-// M = 256). The last row block prefetches the next chunk's weights, a line
+// converted once per chunk, by the chunk's first row block as it multiplies
+// it (128-pair chunks in L1 measured 4 % slower at M = 256). The last row
+// block prefetches the next chunk's weights, a line
 // per k pair. When the activations outgrow L2, four tiles go through K
 // together, so each row block's activations are read once for the four. The
 // activations of these loops are laid out by register block (Activations).
@@ -51,11 +52,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #define QFP8_AVX512_ENTRY linear_tiles_avx512bf16_float32
@@ -419,18 +422,31 @@ struct ChunkRuns {
 constexpr int64_t kFusedMaxRows = 64;
 inline bool fuses(const Activations& a) { return a.rows <= kFusedMaxRows; }
 
-// The weights a register block multiplies: a converted bf16 panel (Fused
-// false: two zmm a pair), or the packed FP8 groups themselves, converted in
-// registers as they are multiplied (Fused true).
+// Where a register block takes the weights it multiplies from: a converted
+// bf16 panel (two zmm a pair), or the packed FP8 groups themselves, converted
+// in registers as they are multiplied, and with kFusedToPanel also stored
+// into the panel for the row blocks after it. The first row block of a
+// panel chunk does that instead of a conversion pass of its own before the
+// blocks: the shuffles then run beside its vdpbf16ps. Same-process medians,
+// one thread, hot weights, against the pass (Zen 5): 4096 x 4096 at M = 256
+// 0.96x the time (470 -> 491 GFLOPS), M = 100 0.93x, 14336 x 4096 at M = 256
+// (row groups of 128) 0.94x; the same bits.
+enum Source : int { kFromPanel = 0, kFused = 1, kFusedToPanel = 2 };
+
 struct BlockWeights {
   const void* w;  // __m512i panel or uint8_t groups, at the chunk's first pair
   const Tables* tb;
+  __m512i* panel = nullptr;  // kFusedToPanel: where the converted groups go
 };
 
-template <bool Fused>
+template <int Src>
 inline void block_weights(const BlockWeights& bw, const Tables& tb, int64_t i, __m512i& w0, __m512i& w1) {
-  if (Fused) {
+  if (Src != kFromPanel) {
     convert_group(tb, static_cast<const uint8_t*>(bw.w) + i * kGroupBytes, w0, w1);
+    if (Src == kFusedToPanel) {
+      _mm512_store_si512(bw.panel + 2 * i, w0);
+      _mm512_store_si512(bw.panel + 2 * i + 1, w1);
+    }
   } else {
     const __m512i* panel = static_cast<const __m512i*>(bw.w);
     w0 = _mm512_load_si512(panel + 2 * i);
@@ -438,7 +454,7 @@ inline void block_weights(const BlockWeights& bw, const Tables& tb, int64_t i, _
   }
 }
 
-template <int Rows, bool Fused>
+template <int Rows, int Src>
 inline void panel_sums(const BlockWeights& bw, const uint32_t* x, int64_t begin, int64_t end, const uint8_t* prefetch,
                        __m512 (&acc)[Rows][2]) {
   const Tables tb = *bw.tb;  // in registers through the loop
@@ -446,7 +462,7 @@ inline void panel_sums(const BlockWeights& bw, const uint32_t* x, int64_t begin,
   for (int64_t i = begin; i < end; ++i) {
     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGroupBytes), _MM_HINT_T0);
     __m512i w0, w1;
-    block_weights<Fused>(bw, tb, i, w0, w1);
+    block_weights<Src>(bw, tb, i, w0, w1);
     for (int r = 0; r < Rows; ++r) {
       const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[i * Rows + r]));
       acc[r][0] = dot(acc[r][0], w0, xv);
@@ -455,12 +471,12 @@ inline void panel_sums(const BlockWeights& bw, const uint32_t* x, int64_t begin,
   }
 }
 
-template <int Rows, bool Fused>
+template <int Rows, int Src>
 void panel_rows(const BlockWeights& bw, const uint32_t* x, float* const* acc_rows, int runs, const int64_t* run_end,
                 const __m512* lane, const float* row, const uint8_t* prefetch) {
   for (int run = 0; run < runs; ++run) {
     __m512 acc[Rows][2];
-    panel_sums<Rows, Fused>(bw, x, run ? run_end[run - 1] : 0, run_end[run], prefetch, acc);
+    panel_sums<Rows, Src>(bw, x, run ? run_end[run - 1] : 0, run_end[run], prefetch, acc);
     // In row order: two virtual rows of one output row add one after the other.
     for (int r = 0; r < Rows; ++r) {
       for (int j = 0; j < 2; ++j) {
@@ -476,11 +492,11 @@ void panel_rows(const BlockWeights& bw, const uint32_t* x, float* const* acc_row
 // output rows m0.. (store_lanes), not through the lane-order accumulators.
 // With little K per output (K = 64-512 at large M) the accumulators' zeroing,
 // adding and reading back had cost as much as the multiplies.
-template <int Rows, bool Fused>
+template <int Rows, int Src>
 void panel_rows_store(const LinearProblem& p, const BlockWeights& bw, const uint32_t* x, int64_t count, int64_t m0,
                       int64_t tile, const float* mult, const uint8_t* prefetch) {
   __m512 acc[Rows][2];
-  panel_sums<Rows, Fused>(bw, x, 0, count, prefetch, acc);
+  panel_sums<Rows, Src>(bw, x, 0, count, prefetch, acc);
   for (int r = 0; r < Rows; ++r) store_lanes(p, m0 + r, tile, acc[r][0], acc[r][1], mult);
 }
 
@@ -489,25 +505,23 @@ using PanelStoreFn = void (*)(const LinearProblem&, const BlockWeights&, const u
 using PanelRowsFn = void (*)(const BlockWeights&, const uint32_t*, float* const*, int, const int64_t*, const __m512*,
                              const float*, const uint8_t*);
 
-constexpr PanelStoreFn kPanelStore[2][kMaxRows + 1] = {  // [Fused][rows]
-    {nullptr,
-      panel_rows_store<1, false>, panel_rows_store<2, false>, panel_rows_store<3, false>, panel_rows_store<4, false>,
-      panel_rows_store<5, false>, panel_rows_store<6, false>, panel_rows_store<7, false>, panel_rows_store<8, false>,
-      panel_rows_store<9, false>, panel_rows_store<10, false>, panel_rows_store<11, false>,
-      panel_rows_store<12, false>},
-    {nullptr,
-      panel_rows_store<1, true>, panel_rows_store<2, true>, panel_rows_store<3, true>, panel_rows_store<4, true>,
-      panel_rows_store<5, true>, panel_rows_store<6, true>, panel_rows_store<7, true>, panel_rows_store<8, true>,
-      panel_rows_store<9, true>, panel_rows_store<10, true>, panel_rows_store<11, true>, panel_rows_store<12, true>}};
-constexpr PanelRowsFn kPanelRows[2][kMaxRows + 1] = {  // [Fused][rows]
-    {nullptr,
-      panel_rows<1, false>, panel_rows<2, false>, panel_rows<3, false>, panel_rows<4, false>, panel_rows<5, false>,
-      panel_rows<6, false>, panel_rows<7, false>, panel_rows<8, false>, panel_rows<9, false>, panel_rows<10, false>,
-      panel_rows<11, false>, panel_rows<12, false>},
-    {nullptr,
-      panel_rows<1, true>, panel_rows<2, true>, panel_rows<3, true>, panel_rows<4, true>, panel_rows<5, true>,
-      panel_rows<6, true>, panel_rows<7, true>, panel_rows<8, true>, panel_rows<9, true>, panel_rows<10, true>,
-      panel_rows<11, true>, panel_rows<12, true>}};
+// [Source][rows]
+template <int Src, size_t... Rows>
+constexpr std::array<PanelStoreFn, kMaxRows + 1> panel_store_fns(std::index_sequence<Rows...>) {
+  return {nullptr, panel_rows_store<Rows + 1, Src>...};
+}
+template <int Src, size_t... Rows>
+constexpr std::array<PanelRowsFn, kMaxRows + 1> panel_rows_fns(std::index_sequence<Rows...>) {
+  return {nullptr, panel_rows<Rows + 1, Src>...};
+}
+constexpr std::array<PanelStoreFn, kMaxRows + 1> kPanelStore[3] = {
+    panel_store_fns<kFromPanel>(std::make_index_sequence<kMaxRows>()),
+    panel_store_fns<kFused>(std::make_index_sequence<kMaxRows>()),
+    panel_store_fns<kFusedToPanel>(std::make_index_sequence<kMaxRows>())};
+constexpr std::array<PanelRowsFn, kMaxRows + 1> kPanelRows[3] = {
+    panel_rows_fns<kFromPanel>(std::make_index_sequence<kMaxRows>()),
+    panel_rows_fns<kFused>(std::make_index_sequence<kMaxRows>()),
+    panel_rows_fns<kFusedToPanel>(std::make_index_sequence<kMaxRows>())};
 
 // Tiles [t0, t0 + tiles) (tiles <= kGroupTiles): acc holds each tile's
 // [M][32] lane-order sums. Up to kFewRows rows, tile by tile through the
@@ -600,11 +614,6 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
     const uint8_t* w = p.w + t0 * tile_bytes;
     float mult[kGroupTiles][kTileN];
     for (int64_t j = 0; j < tiles; ++j) {
-      const uint8_t* g = w + j * tile_bytes;
-      if (!fused) {
-        __m512i* panel = panels + j * 2 * kChunkPairs;
-        for (int64_t i = 0; i < pairs; ++i) convert_group(tb, g + i * kGroupBytes, panel[2 * i], panel[2 * i + 1]);
-      }
       fill_channel_mult(p, t0 + j, false, mult[j]);
     }
     for (int64_t b = g.b_begin; b < g.b_end; ++b) {
@@ -612,8 +621,10 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
       for (int64_t j = 0; j < tiles; ++j) {
         // The last row block asks for the next group's tile (see below).
         const uint8_t* next = b == g.b_end - 1 ? w + (tiles + j) * tile_bytes : nullptr;
-        const BlockWeights bw{fused ? static_cast<const void*>(w + j * tile_bytes) : panels + j * 2 * kChunkPairs, &tb};
-        kPanelStore[fused][a.rows_in(b)](p, bw, a.block(b, 0), pairs, v0, t0 + j, mult[j], next);
+        const int src = fused ? kFused : (b == g.b_begin ? kFusedToPanel : kFromPanel);  // see Source
+        __m512i* panel = panels + j * 2 * kChunkPairs;
+        const BlockWeights bw{src == kFromPanel ? static_cast<const void*>(panel) : w + j * tile_bytes, &tb, panel};
+        kPanelStore[src][a.rows_in(b)](p, bw, a.block(b, 0), pairs, v0, t0 + j, mult[j], next);
       }
     }
     return;
@@ -637,11 +648,6 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
       runs.end[runs.count++] = r1 - c0;
     }
     for (int64_t j = 0; j < tiles; ++j) {
-      __m512i* panel = panels + j * 2 * kChunkPairs;
-      const uint8_t* g = w + j * tile_bytes + c0 * kGroupBytes;
-      if (!fused) {
-        for (int64_t i = 0; i < count; ++i) convert_group(tb, g + i * kGroupBytes, panel[2 * i], panel[2 * i + 1]);
-      }
       if (Block) {
         for (int run = 0; run < runs.count; ++run) {
           __m512* lane = runs.lane.data() + (j * kChunkPairs + run) * 2;
@@ -669,8 +675,10 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
         const uint8_t* next = w + j * tile_bytes +
                               (c0 + count < c_end ? (c0 + count) * kGroupBytes : tiles * tile_bytes + c_begin * kGroupBytes);
         const void* weights = w + j * tile_bytes + c0 * kGroupBytes;
-        const BlockWeights bw{fused ? weights : panels + j * 2 * kChunkPairs, &tb};
-        kPanelRows[fused][rows](bw, a.block(b, c0), acc_rows, runs.count, runs.end.data(),
+        const int src = fused ? kFused : (b == g.b_begin ? kFusedToPanel : kFromPanel);  // see Source
+        __m512i* panel = panels + j * 2 * kChunkPairs;
+        const BlockWeights bw{src == kFromPanel ? static_cast<const void*>(panel) : weights, &tb, panel};
+        kPanelRows[src][rows](bw, a.block(b, c0), acc_rows, runs.count, runs.end.data(),
                                 Block ? runs.lane.data() + j * kChunkPairs * 2 : nullptr,
                                 grouped ? runs.row.data() : nullptr, b == g.b_end - 1 ? next : nullptr);
       }
