@@ -57,7 +57,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
-#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -193,6 +192,14 @@ __mmask32 interleave_rows(const uint32_t* in, int64_t ld, int64_t count, uint32_
   return too_small;
 }
 
+using InterleaveRowsFn = __mmask32 (*)(const uint32_t*, int64_t, int64_t, uint32_t*);
+template <size_t... Rows>
+constexpr std::array<InterleaveRowsFn, kMaxRows + 1> interleave_rows_fns(std::index_sequence<Rows...>) {
+  return {nullptr, interleave_rows<Rows + 1>...};
+}
+constexpr std::array<InterleaveRowsFn, kMaxRows + 1> kInterleaveRows =
+    interleave_rows_fns(std::make_index_sequence<kMaxRows>());  // [rows of a register block]
+
 // The activations as bf16 pairs, [virtual row][pair] (one uint32 = the bf16
 // of k = 2p and 2p + 1); virtual row v = part * M + m. Register blocks of
 // rows are as even as they can be (11 and 12 rows rather than 12 and 4).
@@ -246,19 +253,7 @@ struct Activations {
       for (int64_t c0 = 0; c0 < pairs; c0 += kChunkPairs) {
         const int64_t count = std::min(kChunkPairs, pairs - c0);
         uint32_t* out = const_cast<uint32_t*>(block(b, c0));
-        // More than kFewRows rows in all: blocks of 5 to kMaxRows (12) rows.
-        static_assert(kMaxRows == 12, "one case per block size");
-        switch (rows_in(b)) {
-          case 5: too_small |= interleave_rows<5>(in + c0, pairs, count, out); break;
-          case 6: too_small |= interleave_rows<6>(in + c0, pairs, count, out); break;
-          case 7: too_small |= interleave_rows<7>(in + c0, pairs, count, out); break;
-          case 8: too_small |= interleave_rows<8>(in + c0, pairs, count, out); break;
-          case 9: too_small |= interleave_rows<9>(in + c0, pairs, count, out); break;
-          case 10: too_small |= interleave_rows<10>(in + c0, pairs, count, out); break;
-          case 11: too_small |= interleave_rows<11>(in + c0, pairs, count, out); break;
-          case 12: too_small |= interleave_rows<12>(in + c0, pairs, count, out); break;
-          default: throw std::logic_error("qfp8: a register block of the avx512bf16 kernel holds 5 to 12 rows");
-        }
+        too_small |= kInterleaveRows[rows_in(b)](in + c0, pairs, count, out);
       }
     }
     data.reset();
@@ -471,17 +466,39 @@ inline void panel_sums(const BlockWeights& bw, const uint32_t* x, int64_t begin,
   }
 }
 
-template <int Rows, int Src>
+// The scales panel_rows applies to each run's sums, a template argument so
+// that the adds at a run's end are straight-line code: with them chosen at
+// run time (and the output rows' pointers read from memory at each run's
+// end), 128 x 128 block scales took 1.13-1.18x the time of channel scales
+// at M = 64-256 (Zen 5, 4096 x 4096, same-process medians); 1.03-1.05x so.
+enum RunScales : int { kNoRunScales = 0, kLaneScales = 1, kRowScales = 2, kLaneAndRowScales = 3 };
+
+template <int Rows, int Src, int Scales>
 void panel_rows(const BlockWeights& bw, const uint32_t* x, float* const* acc_rows, int runs, const int64_t* run_end,
                 const __m512* lane, const float* row, const uint8_t* prefetch) {
+  constexpr bool kLane = Scales & kLaneScales, kRow = Scales & kRowScales;
+  float* out[Rows];
+  for (int r = 0; r < Rows; ++r) out[r] = acc_rows[r];
   for (int run = 0; run < runs; ++run) {
     __m512 acc[Rows][2];
     panel_sums<Rows, Src>(bw, x, run ? run_end[run - 1] : 0, run_end[run], prefetch, acc);
+    const __m512 lane0 = kLane ? lane[2 * run] : _mm512_setzero_ps();
+    const __m512 lane1 = kLane ? lane[2 * run + 1] : _mm512_setzero_ps();
     // In row order: two virtual rows of one output row add one after the other.
+#pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
-      for (int j = 0; j < 2; ++j) {
-        add_scaled(acc_rows[r] + 16 * j, acc[r][j], lane ? &lane[2 * run + j] : nullptr,
-                   row ? &row[run * kMaxRows + r] : nullptr);
+      __m512 s0 = lane0, s1 = lane1;
+      if (kRow) {
+        const __m512 g = _mm512_set1_ps(row[run * kMaxRows + r]);
+        s0 = kLane ? _mm512_mul_ps(lane0, g) : g;
+        s1 = kLane ? _mm512_mul_ps(lane1, g) : g;
+      }
+      if (kLane || kRow) {
+        _mm512_storeu_ps(out[r], _mm512_fmadd_ps(acc[r][0], s0, _mm512_loadu_ps(out[r])));
+        _mm512_storeu_ps(out[r] + 16, _mm512_fmadd_ps(acc[r][1], s1, _mm512_loadu_ps(out[r] + 16)));
+      } else {
+        _mm512_storeu_ps(out[r], _mm512_add_ps(_mm512_loadu_ps(out[r]), acc[r][0]));
+        _mm512_storeu_ps(out[r] + 16, _mm512_add_ps(_mm512_loadu_ps(out[r] + 16), acc[r][1]));
       }
     }
   }
@@ -510,18 +527,22 @@ template <int Src, size_t... Rows>
 constexpr std::array<PanelStoreFn, kMaxRows + 1> panel_store_fns(std::index_sequence<Rows...>) {
   return {nullptr, panel_rows_store<Rows + 1, Src>...};
 }
-template <int Src, size_t... Rows>
+template <int Src, int Scales, size_t... Rows>
 constexpr std::array<PanelRowsFn, kMaxRows + 1> panel_rows_fns(std::index_sequence<Rows...>) {
-  return {nullptr, panel_rows<Rows + 1, Src>...};
+  return {nullptr, panel_rows<Rows + 1, Src, Scales>...};
+}
+template <int Src>
+constexpr std::array<std::array<PanelRowsFn, kMaxRows + 1>, 4> panel_rows_by_scales() {  // [RunScales][rows]
+  constexpr auto rows = std::make_index_sequence<kMaxRows>();
+  return {panel_rows_fns<Src, kNoRunScales>(rows), panel_rows_fns<Src, kLaneScales>(rows),
+          panel_rows_fns<Src, kRowScales>(rows), panel_rows_fns<Src, kLaneAndRowScales>(rows)};
 }
 constexpr std::array<PanelStoreFn, kMaxRows + 1> kPanelStore[3] = {
     panel_store_fns<kFromPanel>(std::make_index_sequence<kMaxRows>()),
     panel_store_fns<kFused>(std::make_index_sequence<kMaxRows>()),
     panel_store_fns<kFusedToPanel>(std::make_index_sequence<kMaxRows>())};
-constexpr std::array<PanelRowsFn, kMaxRows + 1> kPanelRows[3] = {
-    panel_rows_fns<kFromPanel>(std::make_index_sequence<kMaxRows>()),
-    panel_rows_fns<kFused>(std::make_index_sequence<kMaxRows>()),
-    panel_rows_fns<kFusedToPanel>(std::make_index_sequence<kMaxRows>())};
+constexpr std::array<std::array<PanelRowsFn, kMaxRows + 1>, 4> kPanelRows[3] = {  // [Source][RunScales][rows]
+    panel_rows_by_scales<kFromPanel>(), panel_rows_by_scales<kFused>(), panel_rows_by_scales<kFusedToPanel>()};
 
 // Tiles [t0, t0 + tiles) (tiles <= kGroupTiles): acc holds each tile's
 // [M][32] lane-order sums. Up to kFewRows rows, tile by tile through the
@@ -678,7 +699,7 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
         const int src = fused ? kFused : (b == g.b_begin ? kFusedToPanel : kFromPanel);  // see Source
         __m512i* panel = panels + j * 2 * kChunkPairs;
         const BlockWeights bw{src == kFromPanel ? static_cast<const void*>(panel) : weights, &tb, panel};
-        kPanelRows[src][rows](bw, a.block(b, c0), acc_rows, runs.count, runs.end.data(),
+        kPanelRows[src][(Block ? kLaneScales : 0) | (grouped ? kRowScales : 0)][rows](bw, a.block(b, c0), acc_rows, runs.count, runs.end.data(),
                                 Block ? runs.lane.data() + j * kChunkPairs * 2 : nullptr,
                                 grouped ? runs.row.data() : nullptr, b == g.b_end - 1 ? next : nullptr);
       }
