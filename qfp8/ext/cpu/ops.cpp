@@ -359,7 +359,8 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
   // pass for the amax and one for the values, no float32 copy of a row.
   constexpr int kind = std::is_same_v<T, float> ? kRowFloat : (std::is_same_v<T, c10::BFloat16> ? kRowBFloat16 : kRowHalf);
   const RowHelpers helpers = row_helpers_for_current_isa();
-  const bool direct = out_bf16 && (mode == kToken || mode == kTensor || mode == kStatic) && helpers.finite_amax_row;
+  const bool direct = out_bf16 && helpers.finite_amax_row &&
+                      (mode == kToken || mode == kTensor || mode == kStatic || (mode == kGroup && group_scale));
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
   float tensor_scale = 1.0f;
   if (mode == kTensor) {
@@ -382,6 +383,19 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
     at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         const T* xr = x + m * K;
+        if (mode == kGroup) {  // each group's values and scale; the row's largest scale for the overflow guard
+          const int64_t groups = (K + kActivationGroup - 1) / kActivationGroup;
+          float largest = 0.0f;
+          for (int64_t g = 0; g < K; g += kActivationGroup) {
+            const int64_t n = std::min(K, g + kActivationGroup) - g;
+            const float scale = scale_from_amax(helpers.finite_amax_row(xr + g, kind, n), qmax);
+            helpers.quantize_row_bf16(xr + g, kind, n, scale, grid, out_bf16 + m * K + g);
+            group_scale[m * groups + g / kActivationGroup] = scale;
+            largest = std::max(largest, scale);
+          }
+          row_scale[m] = largest;
+          continue;
+        }
         const float scale = mode == kToken ? scale_from_amax(helpers.finite_amax_row(xr, kind, K), qmax) : tensor_scale;
         helpers.quantize_row_bf16(xr, kind, K, scale, grid, out_bf16 + m * K);
         row_scale[m] = scale;
