@@ -19,6 +19,11 @@ other methods have run, that path measured ~55 us more per call here.
     python bench/linear.py                 # full table, 1 thread
     python bench/linear.py --threads 2
     python bench/linear.py --quick --json out.json   # CI: < 60 s
+    python bench/linear.py --weight-scale block      # qfp8 with 128 x 128 block scales
+
+``--weight-scale block`` gives qfp8's columns 128 x 128 block weight scales
+(DeepSeek-V3 / Qwen3-FP8 checkpoints) and its W8A8 column dynamic 1 x 128
+activation groups, as such checkpoints use; the baselines are unchanged.
 """
 
 from __future__ import annotations
@@ -80,10 +85,17 @@ def copies_for(nbytes: int, cold_bytes: int) -> int:
     return max(2, math.ceil(2 * cold_bytes / max(nbytes, 1)) + 1)
 
 
-def make_methods(k: int, n: int, cold_bytes: int):
+BLOCK_SIZE = [128, 128]  # --weight-scale block
+
+
+def make_methods(k: int, n: int, cold_bytes: int, weight_scale: str = "channel"):
     """name -> (list of callables taking x_bf16, one per weight copy: enough to touch 2 x cold_bytes)."""
     w = torch.randn(n, k) / math.sqrt(k)
-    q, scale = formats.quantize_weight(w, torch.float8_e4m3fn, "channel")
+    q, scale = formats.quantize_weight(w, torch.float8_e4m3fn, "channel")  # the FP8 baselines'
+    block_size = BLOCK_SIZE if weight_scale == "block" else []
+    qfp8_q, qfp8_scale = (
+        (q, scale) if weight_scale == "channel" else formats.quantize_weight(w, q.dtype, "block", block_size)
+    )
     act = torch.float8_e4m3fn
     methods = {}
 
@@ -105,8 +117,8 @@ def make_methods(k: int, n: int, cold_bytes: int):
         op = op or routing.kernel_by_name(f"cpu-{cpu.cpu_kernel_isa()}").eager_op
 
         def build():
-            packed = torch.ops.qfp8.pack_weight_cpu(q)
-            return lambda x: op(x, packed, scale, None, None, n, k, [], activation, act)
+            packed = torch.ops.qfp8.pack_weight_cpu(qfp8_q)
+            return lambda x: op(x, packed, qfp8_scale, None, None, n, k, block_size, activation, act)
 
         return build
 
@@ -132,7 +144,7 @@ def make_methods(k: int, n: int, cold_bytes: int):
     methods["bf16"] = rotate(bf16_fn, 2 * n * k)
     methods["fp32"] = rotate(fp32_fn, 4 * n * k)
     methods["qfp8_w8a16"] = rotate(qfp8_fn("none"), n * k)
-    methods["qfp8_w8a8"] = rotate(qfp8_fn("token"), n * k)
+    methods["qfp8_w8a8"] = rotate(qfp8_fn("group" if weight_scale == "block" else "token"), n * k)
     methods["dequant_bf16"] = rotate(dequant_fn, n * k)
     methods["scaled_mm"] = rotate(scaled_mm_fn, n * k)
     methods["int8pack_mm"] = rotate(int8_fn, n * k)
@@ -201,6 +213,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--shapes", nargs="*", metavar="KxN", help="only these shapes, e.g. 4096x4096")
     parser.add_argument("--ms", nargs="*", type=int, metavar="M", help="only these M")
+    parser.add_argument(
+        "--weight-scale", choices=["channel", "block"], default="channel", help="qfp8's weight scales (see above)"
+    )
     args = parser.parse_args(argv)
     cold_bytes = min(LLC_BYTES, QUICK_LLC_BYTES) if args.quick else LLC_BYTES
     torch.set_num_threads(args.threads)
@@ -213,12 +228,16 @@ def main(argv=None) -> int:
     rounds = args.rounds or (3 if args.quick else 9)
     budget = 2.0 if args.quick else 30.0
     rows = []
-    print(f"qfp8 CPU kernel: {cpu.cpu_kernel_isa()}, threads: {args.threads}, torch {torch.__version__}")
+    print(
+        f"qfp8 CPU kernel: {cpu.cpu_kernel_isa()}, threads: {args.threads}, torch {torch.__version__}, "
+        f"qfp8 weight scales: {args.weight_scale}"
+        + (" (W8A8: 1 x 128 activation groups)" if args.weight_scale == "block" else "")
+    )
     header = f"{'K':>6} {'N':>6} {'M':>4} | " + " | ".join(f"{c:>15}" for c in COLUMNS) + " | GB/s w8a16 / stream"
     print(header)
     print("-" * len(header))
     for k, n in shapes:
-        methods, m1_extras = make_methods(k, n, cold_bytes)
+        methods, m1_extras = make_methods(k, n, cold_bytes, args.weight_scale)
         too_slow = set()  # methods over SLOW_CALL_S a call at a smaller M of this shape: not run again
         for m in sorted(ms):
             x = torch.randn(m, k, dtype=torch.bfloat16)
@@ -245,6 +264,7 @@ def main(argv=None) -> int:
             med.update({name: warm[name] for name in single})
             too_slow |= single
             row = {"K": k, "N": n, "M": m, "threads": args.threads, "isa": cpu.cpu_kernel_isa()}
+            row["weight_scale"] = args.weight_scale
             cells = []
             for c in COLUMNS:
                 if c not in med:  # over SLOW_CALL_S at a smaller M

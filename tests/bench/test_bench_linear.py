@@ -11,7 +11,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_linear_quick_writes_every_column(tmp_path):
+@pytest.mark.parametrize(
+    "extra", [[], ["--weight-scale", "block", "--shapes", "576x1536"]], ids=["channel", "block-one-shape"]
+)
+def test_bench_linear_quick_writes_every_column(tmp_path, extra):
     from qfp8.library import cpu
 
     if cpu.cpu_kernel_isa() is None:
@@ -19,7 +22,7 @@ def test_bench_linear_quick_writes_every_column(tmp_path):
     out = tmp_path / "linear.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "linear.py"), "--quick", "--json", str(out)],
+        [sys.executable, str(ROOT / "bench" / "linear.py"), "--quick", "--json", str(out), *extra],
         env=env,
         capture_output=True,
         text=True,
@@ -30,6 +33,7 @@ def test_bench_linear_quick_writes_every_column(tmp_path):
     columns = ["bf16", "fp32", "qfp8_w8a16", "qfp8_w8a8", "dequant_bf16", "scaled_mm", "int8pack_mm"]
     assert data["columns"] == columns
     assert data["rows"], "no rows measured"
+    assert {row["weight_scale"] for row in data["rows"]} == {"block" if extra else "channel"}
     timed_once = set()  # (shape, column) slower than SLOW_CALL_S: timed by one call, then not run at larger M
     for row in data["rows"]:
         shape = (row["K"], row["N"])
