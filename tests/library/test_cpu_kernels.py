@@ -621,6 +621,34 @@ def test_large_packed_weight_is_huge_page_aligned_and_round_trips():
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="counts minor page faults through getrusage, as Linux reports them")
+@pytest.mark.parametrize("activation", ["none", "token"], ids=lambda a: f"a-{a}")
+def test_repeated_large_calls_reuse_their_activation_buffers(activation):
+    """A call's laid-out (or quantized) activations live in scratch memory that the next call takes again: a fresh
+    buffer of this size (32 MB) faults in at least sixteen 2 MiB pages (8192 with 4 KiB pages) at every call, and after
+    other large allocations far more slowly. The results stay the float64 reference's."""
+    import resource
+
+    k = 4096
+    q, scale = random_weight(32, k, torch.float8_e4m3fn, "channel")
+    packed = torch.ops.qfp8.pack_weight_cpu(q)
+    x = torch.randn(2048, k, dtype=torch.bfloat16)
+    call = torch.ops.qfp8.scaled_linear_cpu
+    first = call(x, packed, scale, None, None, 32, k, [], activation, torch.float8_e4m3fn)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        again = call(x, packed, scale, None, None, 32, k, [], activation, torch.float8_e4m3fn)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults <= 8, faults
+    assert torch.equal(again, first)
+    xr = x.double()
+    if activation == "token":
+        xq, xs = formats.quantize_activation(x.float(), torch.float8_e4m3fn, "token")
+        xr = formats.fp8_to_float(xq).double() * xs
+    ref = float64_reference(xr, q, scale, None, ())
+    assert ((first.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def test_opcheck():
     q, scale = random_weight(40, 33, torch.float8_e4m3fn, "channel")
     packed = torch.ops.qfp8.pack_weight_cpu(q)

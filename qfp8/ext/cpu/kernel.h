@@ -86,6 +86,51 @@ std::shared_ptr<const void> prepare_amx(const LinearProblem& p);
 // cannot be had. (ops.cpp: packed weights and activation buffers, the
 // avx512bf16 kernel's laid-out activations.)
 void* huge_page_alloc(size_t nbytes);
+
+// Memory for one call's activations (laid out for the kernel, quantized,
+// converted): huge_page_alloc's, taken from and given back to a per-thread
+// cache of freed buffers (ops.cpp), not initialized. A fresh buffer of tens
+// of MB costs its page faults on every call, and after other large
+// allocations and frees far more: a 2048 x 14336 call's 58 MB of laid-out
+// activations took 93-188 ms to prepare right after an fp32 F.linear of the
+// same x, against 16 ms (Zen 5, with transparent huge pages on madvise,
+// whose faults then compact memory first). Null `get()` when it cannot be had.
+void* scratch_alloc(size_t nbytes, size_t* capacity);
+void scratch_free(void* data, size_t capacity);
+
+template <typename T>
+class ScratchBuffer {
+ public:
+  ScratchBuffer() = default;
+  explicit ScratchBuffer(size_t count) {  // in the body: capacity_'s initializer would run after data_'s
+    data_ = static_cast<T*>(scratch_alloc(count * sizeof(T), &capacity_));
+  }
+  ScratchBuffer(ScratchBuffer&& other) noexcept : data_(other.data_), capacity_(other.capacity_) {
+    other.data_ = nullptr;
+  }
+  ScratchBuffer& operator=(ScratchBuffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      data_ = other.data_;
+      capacity_ = other.capacity_;
+      other.data_ = nullptr;
+    }
+    return *this;
+  }
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  ~ScratchBuffer() { reset(); }
+  T* get() const { return data_; }
+  void reset() {
+    if (data_) scratch_free(data_, capacity_);
+    data_ = nullptr;
+  }
+
+ private:
+  T* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
 // The AVX512 kernel's code on AVX2 (kernel_avx512emu.cpp): for tests only, never dispatched to.
 void linear_tiles_avx512emu(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 

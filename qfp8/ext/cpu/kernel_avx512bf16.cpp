@@ -209,8 +209,8 @@ struct Activations {
   int64_t pairs = 0;
   int64_t blocks = 1;
   // The pairs, unless x (bf16, even K) is used as it is; like `blocked`
-  // below, in huge pages and not zeroed (allocate).
-  std::unique_ptr<uint32_t[], void (*)(void*)> data{nullptr, std::free};
+  // below, scratch memory (kernel.h), not zeroed (allocate).
+  ScratchBuffer<uint32_t> data;
   const uint32_t* base = nullptr;   // data or x
   std::vector<int64_t> output_row;  // [rows]: the row of x (and of y) of virtual row v
   // More than kFewRows rows: [chunk][block][pair][row], each register block's
@@ -218,14 +218,15 @@ struct Activations {
   // read one cache line. Row by row, the rows of a block lay K * 2 bytes apart
   // and fell in the same few L1 sets (K = 4096: 8 KB apart): 12-row panel
   // loops from L2 ran at 88 % (K = 4096) and 82 % (K = 14336) of the
-  // interleaved rate (Zen 4, a standalone loop). In huge pages and not
-  // zeroed first: page faults and zeroing had cost more than the copy
-  // (2048 x 14336, 58 MB: the call's preparation 46 ms before, 11 ms now).
-  std::unique_ptr<uint32_t[], void (*)(void*)> blocked{nullptr, std::free};
+  // interleaved rate (Zen 4, a standalone loop). Not zeroed first: page
+  // faults and zeroing had cost more than the copy (2048 x 14336, 58 MB: the
+  // call's preparation 46 ms before, 11 ms so); scratch memory, reused from
+  // call to call (kernel.h).
+  ScratchBuffer<uint32_t> blocked;
 
-  static std::unique_ptr<uint32_t[], void (*)(void*)> allocate(int64_t count) {
-    std::unique_ptr<uint32_t[], void (*)(void*)> buffer{static_cast<uint32_t*>(huge_page_alloc(count * 4)), std::free};
-    if (!buffer) throw std::bad_alloc();
+  static ScratchBuffer<uint32_t> allocate(int64_t count) {
+    ScratchBuffer<uint32_t> buffer(count);
+    if (!buffer.get()) throw std::bad_alloc();
     return buffer;
   }
 
