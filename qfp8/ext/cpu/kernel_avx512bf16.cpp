@@ -39,8 +39,8 @@
 // chunk again, from L1/L2); more rows multiply a bf16 panel (64 KB, in L2)
 // converted once per chunk, by the chunk's first row block as it multiplies
 // it (128-pair chunks in L1 measured 4 % slower at M = 256). The last row
-// block prefetches the next chunk's weights, a line
-// per k pair. When the activations outgrow L2, four tiles go through K
+// block prefetches the next chunk's weights, a line per k pair. When the
+// activations outgrow L2, four tiles go through K
 // together, so each row block's activations are read once for the four. The
 // activations of these loops are laid out by register block (Activations).
 // When the activations outgrow the cache, the rows go through the tiles in
@@ -662,6 +662,7 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
   }
   const uint8_t* w = p.w + t0 * tile_bytes;
   const bool grouped = p.group_scale != nullptr;
+  const int run_scales = (Block ? kLaneScales : 0) | (grouped ? kRowScales : 0);
   for (int64_t c0 = c_begin; c0 < c_end;) {
     const int64_t count = std::min(kChunkPairs, c_end - c0);
     runs.count = 0;
@@ -700,9 +701,9 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
         const int src = fused ? kFused : (b == g.b_begin ? kFusedToPanel : kFromPanel);  // see Source
         __m512i* panel = panels + j * 2 * kChunkPairs;
         const BlockWeights bw{src == kFromPanel ? static_cast<const void*>(panel) : weights, &tb, panel};
-        kPanelRows[src][(Block ? kLaneScales : 0) | (grouped ? kRowScales : 0)][rows](bw, a.block(b, c0), acc_rows, runs.count, runs.end.data(),
-                                Block ? runs.lane.data() + j * kChunkPairs * 2 : nullptr,
-                                grouped ? runs.row.data() : nullptr, b == g.b_end - 1 ? next : nullptr);
+        kPanelRows[src][run_scales][rows](bw, a.block(b, c0), acc_rows, runs.count, runs.end.data(),
+                                          Block ? runs.lane.data() + j * kChunkPairs * 2 : nullptr,
+                                          grouped ? runs.row.data() : nullptr, b == g.b_end - 1 ? next : nullptr);
       }
     }
     c0 += count;

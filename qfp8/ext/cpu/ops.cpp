@@ -425,6 +425,21 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
   const bool direct = out_bf16 && helpers.finite_amax_row &&
                       (mode == kToken || mode == kTensor || mode == kStatic || (mode == kGroup && group_scale));
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
+  // kGroup: row m's groups of kActivationGroup values, each quantized (quantize_group) with the scale of its
+  // largest finite |x| (group_amax), which goes to group_scale when given. Returns the row's largest group
+  // scale (scaled_linear_into's overflow guard).
+  auto quantize_groups = [&](int64_t m, auto&& group_amax, auto&& quantize_group) {
+    const int64_t groups = (K + kActivationGroup - 1) / kActivationGroup;
+    float largest = 0.0f;
+    for (int64_t g = 0; g < K; g += kActivationGroup) {
+      const int64_t n = std::min(K, g + kActivationGroup) - g;
+      const float scale = scale_from_amax(group_amax(g, n), qmax);
+      quantize_group(g, n, scale);
+      if (group_scale) group_scale[m * groups + g / kActivationGroup] = scale;
+      largest = std::max(largest, scale);
+    }
+    return largest;
+  };
   float tensor_scale = 1.0f;
   if (mode == kTensor) {
     // max is exact in any order: the same scale for every thread count
@@ -446,17 +461,12 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
     at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         const T* xr = x + m * K;
-        if (mode == kGroup) {  // each group's values and scale; the row's largest scale for the overflow guard
-          const int64_t groups = (K + kActivationGroup - 1) / kActivationGroup;
-          float largest = 0.0f;
-          for (int64_t g = 0; g < K; g += kActivationGroup) {
-            const int64_t n = std::min(K, g + kActivationGroup) - g;
-            const float scale = scale_from_amax(helpers.finite_amax_row(xr + g, kind, n), qmax);
-            helpers.quantize_row_bf16(xr + g, kind, n, scale, grid, out_bf16 + m * K + g);
-            group_scale[m * groups + g / kActivationGroup] = scale;
-            largest = std::max(largest, scale);
-          }
-          row_scale[m] = largest;
+        if (mode == kGroup) {
+          row_scale[m] = quantize_groups(
+              m, [&](int64_t g, int64_t n) { return helpers.finite_amax_row(xr + g, kind, n); },
+              [&](int64_t g, int64_t n, float scale) {
+                helpers.quantize_row_bf16(xr + g, kind, n, scale, grid, out_bf16 + m * K + g);
+              });
           continue;
         }
         const float scale = mode == kToken ? scale_from_amax(helpers.finite_amax_row(xr, kind, K), qmax) : tensor_scale;
@@ -497,19 +507,13 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
           quantize_row(xr, K, tensor_scale, 1.0f, grid, out);
           row_scale[m] = tensor_scale;
           break;
-        case kGroup: {
-          const int64_t groups = (K + kActivationGroup - 1) / kActivationGroup;
-          float largest = 0.0f;
-          for (int64_t g = 0; g < K; g += kActivationGroup) {
-            const int64_t n = std::min(K, g + kActivationGroup) - g;
-            const float scale = scale_from_amax(finite_amax(xr + g, n), qmax);
-            quantize_row(xr + g, n, scale, group_scale ? 1.0f : scale, grid, out + g);
-            if (group_scale) group_scale[m * groups + g / kActivationGroup] = scale;
-            largest = std::max(largest, scale);
-          }
-          row_scale[m] = largest;  // the row's largest group scale (scaled_linear_into's overflow guard)
+        case kGroup:
+          row_scale[m] = quantize_groups(
+              m, [&](int64_t g, int64_t n) { return finite_amax(xr + g, n); },
+              [&](int64_t g, int64_t n, float scale) {
+                quantize_row(xr + g, n, scale, group_scale ? 1.0f : scale, grid, out + g);
+              });
           break;
-        }
       }
       if (out_bf16) {  // exact: an FP8 value (or NaN) keeps its top 16 bits
         uint16_t* row = out_bf16 + m * K;
