@@ -104,16 +104,16 @@ thread_local ScratchCache scratch_cache;
 }  // namespace
 
 void* scratch_alloc(size_t nbytes, size_t* capacity) {
-  std::vector<ScratchCache::Entry>& free = scratch_cache.free;
-  auto best = free.end();
-  for (auto it = free.begin(); it != free.end(); ++it) {
-    if (it->capacity >= nbytes && (best == free.end() || it->capacity < best->capacity)) best = it;
+  std::vector<ScratchCache::Entry>& cached = scratch_cache.free;
+  auto best = cached.end();
+  for (auto it = cached.begin(); it != cached.end(); ++it) {
+    if (it->capacity >= nbytes && (best == cached.end() || it->capacity < best->capacity)) best = it;
   }
-  if (best != free.end()) {
+  if (best != cached.end()) {
     void* data = best->data;
     *capacity = best->capacity;
     scratch_cache.bytes -= best->capacity;
-    free.erase(best);
+    cached.erase(best);
     return data;
   }
   *capacity = nbytes;
@@ -126,16 +126,16 @@ void scratch_free(void* data, size_t capacity) {
     std::free(data);
     return;
   }
-  std::vector<ScratchCache::Entry>& free = scratch_cache.free;
-  free.push_back({data, capacity});
+  std::vector<ScratchCache::Entry>& cached = scratch_cache.free;
+  cached.push_back({data, capacity});
   scratch_cache.bytes += capacity;
-  while (free.size() > kCachedScratchBuffers || scratch_cache.bytes > kCachedScratchBytes) {
+  while (cached.size() > kCachedScratchBuffers || scratch_cache.bytes > kCachedScratchBytes) {
     // The smallest goes first: a larger buffer serves every request a smaller one would.
-    auto smallest = std::min_element(free.begin(), free.end(),
+    auto smallest = std::min_element(cached.begin(), cached.end(),
                                      [](const auto& a, const auto& b) { return a.capacity < b.capacity; });
     std::free(smallest->data);
     scratch_cache.bytes -= smallest->capacity;
-    free.erase(smallest);
+    cached.erase(smallest);
   }
 }
 
