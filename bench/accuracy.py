@@ -314,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\ntotal {time.perf_counter() - began:.0f} s")
     if args.json:
+        from provenance import collect  # bench/provenance.py, beside this script
+
         payload = {
+            "provenance": collect(),
             "model": args.model or evaluate.SMOLLM2_GGUF,
             "text": args.text,
             "windows": count,

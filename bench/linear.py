@@ -296,8 +296,10 @@ def main(argv=None) -> int:
     print(f"{SLOW_CALL_S:g} s; not run at larger M: (slow)); cold: each method rotates over more than 2 x")
     print(f"{cold_bytes >> 20} MB of weights")
     if args.json:
+        from provenance import collect  # bench/provenance.py, beside this script
+
         with open(args.json, "w") as f:
-            json.dump({"columns": COLUMNS, "rows": rows}, f, indent=1)
+            json.dump({"provenance": collect(), "columns": COLUMNS, "rows": rows}, f, indent=1)
     return 0
 
 
