@@ -96,7 +96,7 @@ def _from_gguf(gguf: Path):
 
 def _save_float_folder(model, tokenizer, folder: Path) -> None:
     # transformers refuses save_pretrained on a model loaded from GGUF (it is
-    # marked quantized), though its weights are plain float by now.
+    # marked quantized), though its weights are plain float once dequantized.
     from safetensors.torch import save_model
 
     config = model.config

@@ -1,6 +1,6 @@
 """FP8 formats, scales and the reference quantize / dequantize.
 
-Every other module takes its numerics from here (DESIGN.md, "Numerics"):
+Every other module takes its numerics from here (docs/design.md, "Numerics"):
 
 - a scale multiplies on dequantization: ``x ~= q.float() * scale``;
 - ``scale = max(amax, EPS) / fmax`` in float32, so an all-zero row gets
@@ -222,8 +222,8 @@ def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block_size) 
     return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
 
 
-# A weight larger than this many elements is scaled and quantized a band of rows at a time: the float32
-# temporaries of a whole [128256, 4096] lm_head had been 4-6x its bf16 bytes (4 GB). Bitwise the same result.
+# A weight larger than this many elements is scaled and quantized a band of rows at a time: float32
+# temporaries of a whole weight would be 4-6x its bf16 bytes (4 GB for a Llama-3 lm_head). Bitwise the same result.
 WEIGHT_CHUNK_ELEMENTS = 1 << 22
 
 

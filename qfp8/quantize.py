@@ -648,8 +648,7 @@ def quantize(
         # The float tensors left, if mapped from a file (transformers' loading), would keep every page
         # quantize read from it resident (see qfp8.library.memory).
         memory.copy_out_of_file_mappings(model)
-    # glibc keeps freed heap memory: measured here, a bf16 model's process had stayed 78-162 MB above the
-    # quantized model's size.
+    # glibc keeps freed heap memory (for a bf16 model, tens to hundreds of MB above the quantized model).
     memory.return_freed_memory()
     return QuantizeResult(outer, report)
 

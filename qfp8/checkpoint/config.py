@@ -166,7 +166,7 @@ def build_quantization_config(
     ``model_names``: checkpoint module name -> the module's name in the model transformers builds, where the two
     differ (Llava: ``language_model.lm_head`` is the model's ``lm_head``). compressed-tensors under transformers 5
     matches ``ignore`` and the targets against the model's names, vLLM and older transformers against the
-    checkpoint's: both are listed. A layer of ``ignore`` named only by its checkpoint name was quantized by
+    checkpoint's: both are listed. A layer of ``ignore`` named only by its checkpoint name would be quantized by
     transformers 5 with an uninitialised scale (NaN logits for a Llava with ``lm_head`` kept in float).
 
     ``quant_method`` is ``"compressed-tensors"``; when :func:`qfp8_only_reasons` finds something there is no

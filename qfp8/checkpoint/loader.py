@@ -764,8 +764,8 @@ def _compute_dtype(dtype, config_dtype) -> torch.dtype:
 
 
 def _usable_device(device) -> torch.device:
-    """``device`` as a torch.device this build and machine can put tensors on, checked before the load (which
-    had run whole before torch's AssertionError for "cuda" on a CPU build)."""
+    """``device`` as a torch.device this build and machine can put tensors on, checked before the load (torch's
+    own error for "cuda" on a CPU build would come only after the whole load)."""
     if device is None:
         return torch.device("cpu")
     if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
@@ -838,5 +838,5 @@ def from_pretrained(
     model.eval()
     if torch.device(device).type != "cpu":
         model.to(device)
-    memory.return_freed_memory()  # glibc kept ~110 MB of loading's freed heap for SmolLM2 (measured)
+    memory.return_freed_memory()  # glibc would otherwise keep loading's freed heap (about 100 MB for SmolLM2)
     return model

@@ -280,7 +280,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             raise ValueError(f"{index_path}: weight_map must map tensor names to shard file names (strings)")
         names = sorted(set(weight_map.values()))
         for name in names:
-            if Path(name).name != name or name in (".", ".."):  # "../other/model.safetensors" had been followed
+            if Path(name).name != name or name in (".", ".."):  # no "../other/model.safetensors"
                 raise ValueError(
                     f"{index_path} lists shard {name!r}, which is not a file name in {directory}; shards sit "
                     "beside the index"

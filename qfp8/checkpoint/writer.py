@@ -312,8 +312,8 @@ def write_checkpoint(
     else:
         shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     directory = check_output_directory(directory, "write_checkpoint")
-    # A folder where a file goes cannot be replaced: said before anything is written (the shards had been
-    # moved in already when config.json, a folder, raised IsADirectoryError).
+    # A folder where a file goes cannot be replaced: said before anything is written, so that no shard is
+    # moved in before config.json (a folder) would fail.
     targets = [*shard_names, *(extra_files or {}), "config.json", *([INDEX_NAME] if len(shards) > 1 else [])]
     for name in targets:
         path = directory / name
@@ -586,5 +586,5 @@ def save_pretrained(
             rounding = k_rounding_state(model)
         extra.update(kv_rounding_file(rounding, scratch))
         write_checkpoint(directory, plan, config, max_shard_size, extra)
-    memory.return_freed_memory()  # a tied table written from the FP8 head: 192 MB glibc had kept (measured)
+    memory.return_freed_memory()  # glibc keeps freed heap (a tied table written from the FP8 head: ~200 MB)
     return Path(directory)

@@ -159,7 +159,7 @@ def _differentiable(*args):
 _EXTENSION = load_cpu_extension()
 if _EXTENSION is not None:
     # QLinear's eager fast path calls qfp8._C.scaled_linear_cpu_eager, which
-    # parses its arguments itself (7 us less per call than torch.ops' boxing)
+    # parses its arguments itself (cheaper than torch.ops' boxing)
     # and hands any call that needs the dispatcher to the op.
     _EXTENSION._set_eager_fallback(_eager_fallback, torch.nn.Parameter)
     # The extension's Autograd kernel of these ops sends each call that needs
@@ -258,12 +258,12 @@ _apply_isa_environment()
 
 # ------------------------------------------------------------ self-check
 #
-# The tests run every variant the test machine supports, but the AVX512
-# ones, compiled into every x86-64 build, have not yet run on a machine with
-# AVX512. So at import the variant picked for this CPU runs small problems
-# through every code path it has and is compared with the reference op's
-# math; one that disagrees is not used (one warning, then the next variant
-# down). It costs about 40 ms once per process.
+# The tests run every variant the test machine supports, and a build can
+# meet a CPU (or compiler) its tests never ran on. So at import the variant
+# picked for this CPU runs small problems through every code path it has and
+# is compared with the reference op's math; one that disagrees is not used
+# (one warning, then the next variant down). It costs a few to tens of
+# milliseconds once per process.
 
 # Relative L2 error of the output: float32 outputs differ from the float64
 # reference only by the sum order, bf16 / fp16 ones also by the final

@@ -7,7 +7,7 @@ here touches CUDA at import: whether a kernel takes a layer is decided at
 ``freeze``/pack time by its ``supports`` predicate (GPU capability, shape,
 scheme, whether the CUDA extension is built, ``QFP8_CUDA_KERNELS``).
 
-Routes, best first (DESIGN.md):
+Routes, best first (docs/design.md):
 
 - ``cuda-scaled-mm``: W8A8 (``activation`` token/tensor/static) on sm89+,
   FP8 x FP8 on tensor cores via ``torch._scaled_mm`` with float32
