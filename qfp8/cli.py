@@ -18,6 +18,15 @@ import os
 import re
 import sys
 
+__all__ = [
+    "SOURCE_ARGUMENTS",
+    "SUBCOMMANDS",
+    "SubcommandParser",
+    "USER_ERRORS",
+    "check_source_path",
+    "main",
+]
+
 # subcommand -> (module providing add_arguments/run, one-line help)
 SUBCOMMANDS = {
     "demo": ("qfp8.demo", "quantize SmolLM2-135M (or --model PATH) and compare bf16 with each FP8 scheme"),

@@ -25,6 +25,43 @@ import math
 
 import torch
 
+__all__ = [
+    "ACTIVATION_GRANULARITIES",
+    "ACTIVATION_GROUP_SIZE",
+    "DEFAULT_BLOCK_SIZE",
+    "EPS",
+    "FLOAT_DTYPES",
+    "FP8_DTYPES",
+    "TOKEN_MSE_FACTORS",
+    "WEIGHT_CHUNK_ELEMENTS",
+    "WEIGHT_GRANULARITIES",
+    "abs_max",
+    "activation_amax",
+    "activation_dtype_for",
+    "block_scale_shape",
+    "dequantize_activation",
+    "dequantize_table",
+    "dequantize_weight",
+    "expand_block_scale",
+    "expand_group_scale",
+    "first_nonfinite",
+    "fitted_block_size",
+    "fp8_dtype",
+    "fp8_max",
+    "fp8_to_float",
+    "nonfinite_count",
+    "quantize_activation",
+    "quantize_weight",
+    "quantize_with_scale",
+    "scale_from_amax",
+    "scale_problem",
+    "smallest_scale",
+    "sqnr",
+    "token_mse_scale",
+    "weight_amax",
+    "weight_scale_shape",
+]
+
 EPS = 1e-12
 DEFAULT_BLOCK_SIZE = (128, 128)
 ACTIVATION_GROUP_SIZE = 128

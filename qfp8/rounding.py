@@ -41,6 +41,18 @@ import torch
 
 from qfp8 import formats
 
+__all__ = [
+    "ACCURACY_MODES",
+    "GPTQ_BLOCK",
+    "GPTQ_DAMPING",
+    "SCALE_CANDIDATES",
+    "check_mode",
+    "gptq_factors",
+    "gptq_round",
+    "quantize_weight",
+    "search_scale",
+]
+
 ACCURACY_MODES = (None, "scale", "gptq")
 # c in [1, 2): 16 evenly spaced multipliers of amax / fmax (32 gained little, at twice the time).
 SCALE_CANDIDATES = tuple(1.0 + i / 16 for i in range(16))

@@ -47,6 +47,36 @@ import torch
 from qfp8 import formats
 from qfp8.nn.scheme import QuantizationScheme
 
+__all__ = [
+    "DYNAMIC_STRATEGIES",
+    "FLOAT_FORMAT",
+    "FUSED_LAYERS",
+    "KV_DTYPE_KEY",
+    "Layer",
+    "MIXED_FORMAT",
+    "QFP8_METHOD",
+    "QFP8_METHOD_KEY",
+    "QUANT_METHOD",
+    "STANDARD_WEIGHT_DTYPES",
+    "STORED_FP8_FORMATS",
+    "TIED_EMBEDDINGS_KEY",
+    "TOKEN_MSE_KEY",
+    "VLLM_EXPERT_PARTS",
+    "VLLM_FLOAT_LINEARS",
+    "build_quantization_config",
+    "group_to_scheme",
+    "kv_cache_dtype",
+    "kv_cache_scheme",
+    "matches",
+    "matching_group",
+    "qfp8_only_reasons",
+    "save_warnings",
+    "scheme_to_group",
+    "token_mse_groups",
+    "transformers_incompatibilities",
+    "vllm_incompatibilities",
+]
+
 QUANT_METHOD = "compressed-tensors"
 # The same body, for what compressed-tensors cannot represent: written without quant_method (which other
 # readers then refuse) and with QFP8_METHOD_KEY: QFP8_METHOD instead.

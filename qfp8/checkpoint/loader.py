@@ -35,6 +35,22 @@ from qfp8.nn.embedding import QEmbedding, is_plain_embedding
 from qfp8.nn.experts import QExperts, find_fused_experts, use_fp8_experts
 from qfp8.nn.qlinear import state_spec
 
+__all__ = [
+    "COMPUTE_DTYPES",
+    "ExpertWeights",
+    "FP8_DTYPES",
+    "KV_SCALE_RENAMES",
+    "assign_state",
+    "build_model",
+    "build_skeleton",
+    "checkpoint_to_model",
+    "enable_kv_cache_skeleton",
+    "from_pretrained",
+    "load_state_dict",
+    "normalize_state_dict",
+    "release_pages",
+]
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
 KV_SCALE_RENAMES = {".kv_scale": (".k_scale", ".v_scale")}
 

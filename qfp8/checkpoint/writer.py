@@ -39,6 +39,27 @@ from qfp8.nn.embedding import QEmbedding
 from qfp8.nn.experts import QExperts, find_fused_experts
 from qfp8.quantize import check_calibrated, unwrapped
 
+__all__ = [
+    "CARRIED_FILES",
+    "CHECKPOINT_FILE",
+    "DEFAULT_MAX_SHARD_SIZE",
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "add_transformers4_keys",
+    "carried_files",
+    "check_output_directory",
+    "kv_rounding_file",
+    "model_config_dict",
+    "model_layers",
+    "model_quantization_config",
+    "parse_size",
+    "plan_model_tensors",
+    "previous_checkpoint_files",
+    "save_pretrained",
+    "tied_embeddings",
+    "write_checkpoint",
+]
+
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -31,6 +31,14 @@ import torch
 
 from qfp8 import formats
 
+__all__ = [
+    "apply_linear",
+    "grad_input_linear",
+    "linear",
+    "needs_grad",
+    "register_backward",
+]
+
 
 def _grad_input(grad: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_size) -> torch.Tensor:
     """``grad @ dequant(weight)`` in aten ops: the op below, and what torch.func runs in its place."""

@@ -50,6 +50,25 @@ from qfp8.library import (
 from qfp8.library.ops import ACTIVATION_MODES
 from qfp8.library.routing import KernelRequest, LinearKernel, register_kernel
 
+__all__ = [
+    "EMULATED_ISAS",
+    "HUGEPAGE_MIN_BYTES",
+    "ISAS",
+    "KERNEL_VERIFIED",
+    "SELF_CHECK_TOLERANCE",
+    "TILE_N",
+    "check_linear_args",
+    "compiled_isas",
+    "cpu_kernel_isa",
+    "cpu_kernel_isa_forced",
+    "emulated_isas",
+    "packed_shape",
+    "scaled_linear_cpu",
+    "set_cpu_kernel_isa",
+    "usable_isas",
+    "verify_cpu_kernel_isa",
+]
+
 TILE_N = 32  # output channels per packed tile
 ISAS = ("amx", "avx512bf16", "avx512", "avx2", "scalar")
 # Test-only variants, never chosen automatically: "avx512emu" is the AVX512

@@ -17,6 +17,12 @@ import ctypes
 import torch
 from torch import nn
 
+__all__ = [
+    "copy_out_of_file_mappings",
+    "release_large_frees",
+    "return_freed_memory",
+]
+
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 

@@ -22,6 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = [
+    "PACKED_SDPA",
+    "packable",
+    "packed_sdpa",
+    "register",
+    "use_packed_sdpa",
+]
+
 try:  # transformers is optional: a model whose attention is "sdpa" comes with it
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 except ImportError:  # pragma: no cover - exercised only without transformers

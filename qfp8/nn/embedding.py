@@ -28,6 +28,14 @@ from qfp8.nn.qlinear import _STATE_SPEC_ONLY, QLinear
 from qfp8.tensor import Float8WeightTensor
 from qfp8.tensor.weights import check_row_ids
 
+__all__ = [
+    "LOADED_FLOOR",
+    "LOADED_TOLERANCE",
+    "QEmbedding",
+    "is_plain_embedding",
+    "untieable_reason",
+]
+
 # A loaded ``weight`` counts as the head's table when it is within the
 # rounding of a bf16 (or fp16) checkpoint of it: 2^-8 relative. FP8 steps
 # are 2^-3 (e4m3) apart, so the float table the head was quantized from

@@ -38,6 +38,14 @@ from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.tensor import Float8ActivationTensor, Float8WeightTensor
 
+__all__ = [
+    "QLinear",
+    "TRANSFORMERS_SAVE_REFUSED",
+    "keep_buffer_dtypes",
+    "state_spec",
+    "take_expected",
+]
+
 # Set by state_spec(): QLinear's state_dict entry for ``weight`` is then a
 # meta tensor of the right shape and dtype instead of the unpacked weight.
 _STATE_SPEC_ONLY = contextvars.ContextVar("qfp8_state_spec_only", default=False)
