@@ -118,8 +118,7 @@ def _packed_buffer(nbytes: int) -> torch.Tensor:
     The kernels stream the whole packed weight at every call. From one huge
     page up, the buffer comes from the extension's 2 MiB-aligned allocator,
     advised for transparent huge pages (fewer TLB misses, prefetchers not
-    stopped every 4 KiB): 6-15 % more weight-read bandwidth at M = 1 on this
-    project's test machine. Smaller weights, or a build without the extension,
+    stopped every 4 KiB; docs/cpu-kernels.md). Smaller weights, or a build without the extension,
     use torch's allocator.
     """
     if _EXTENSION is not None and nbytes >= HUGEPAGE_MIN_BYTES:
