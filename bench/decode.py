@@ -537,8 +537,10 @@ def main(argv=None) -> int:
     )
     print_decode_table(result["decode"])
     if args.json:
+        from provenance import collect  # bench/provenance.py, beside this script
+
         with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=2, default=str)
+            json.dump({"provenance": collect(), **result}, handle, indent=2, default=str)
     return 0
 
 

@@ -439,8 +439,10 @@ def main(argv=None) -> int:
     result["seconds"] = time.perf_counter() - start
     print(f"\n{sum(r['passed'] for r in checks.rows)}/{len(checks.rows)} checks passed in {result['seconds']:.1f} s")
     if args.json:
+        from provenance import collect  # bench/provenance.py, beside this script
+
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2, default=str))
+        args.json.write_text(json.dumps({"provenance": collect(), **result}, indent=2, default=str))
         print(f"wrote {args.json}")
     return 0 if checks.passed else 1
 

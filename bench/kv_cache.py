@@ -385,8 +385,10 @@ def main(argv=None) -> dict:
             )
 
     if args.json:
+        from provenance import collect  # bench/provenance.py, beside this script
+
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"provenance": collect(), **results}, f, indent=2)
     return results
 
 

@@ -13,8 +13,8 @@ rounds of the slow baselines, so that their medians hold still.
 The qfp8 columns call the kernel through the entry ``QLinear`` calls in eager
 mode (``LinearKernel.eager_op``), as a quantized model does. At M = 1 the row
 also gives the same W8A16 call through ``torch.ops.qfp8.scaled_linear_cpu``
-(the dispatcher's boxed call, what a compiled graph makes): cold, after the
-other methods have run, that path measured ~55 us more per call here.
+(the dispatcher's boxed call, what a compiled graph makes), which costs
+more per call when cold, after the other methods have run.
 
     python bench/linear.py                 # full table, 1 thread
     python bench/linear.py --threads 2
@@ -174,8 +174,8 @@ def measure(calls: dict, x, rounds: int, budget_s: float, burst: int = 1, rounds
     that many calls in a row per round (each on the next weight copy, so the
     weights stay cold), as a model's layers do: a lone small call after
     other methods have streamed tens of MB finds Python, the dispatcher and
-    the kernel's code and data evicted too, which measured 0.1-0.25 ms here,
-    more than a whole call at the SmolLM2 shapes. Garbage collection is off
+    the kernel's code and data evicted too, which can cost more than a whole
+    call at the SmolLM2 shapes. Garbage collection is off
     while timing, as in timeit.
     """
     times = {name: [] for name in calls}
@@ -296,8 +296,10 @@ def main(argv=None) -> int:
     print(f"{SLOW_CALL_S:g} s; not run at larger M: (slow)); cold: each method rotates over more than 2 x")
     print(f"{cold_bytes >> 20} MB of weights")
     if args.json:
+        from provenance import collect  # bench/provenance.py, beside this script
+
         with open(args.json, "w") as f:
-            json.dump({"columns": COLUMNS, "rows": rows}, f, indent=1)
+            json.dump({"provenance": collect(), "columns": COLUMNS, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -136,9 +136,11 @@ def main(argv=None) -> int:
             f"{row['tokens']:>6}  {row['method']:<22} {row['ms']:>9.3f} {row['speedup']:>18.2f}x {row['sqnr_db']:>8.1f}"
         )
     if args.json:
+        from provenance import collect  # bench/provenance.py, beside this script
+
         with open(args.json, "w") as f:
             json.dump(
-                {"shape": shape, "hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k,
+                {"provenance": collect(), "shape": shape, "hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k,
                  "threads": args.threads, "rows": rows},
                 f,
             )  # fmt: skip

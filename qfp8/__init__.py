@@ -1,7 +1,7 @@
 """qfp8: FP8 weights and activations for PyTorch models, with fast kernels."""
 
 from qfp8.checkpoint import from_pretrained, load_state_dict, save_pretrained
-from qfp8.nn import QLinear
+from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.quantize import QuantizeReport, calibrate, freeze, quantize
 from qfp8.tensor import Float8ActivationTensor, Float8WeightTensor
 
@@ -11,11 +11,24 @@ __all__ = [
     "Float8ActivationTensor",
     "Float8WeightTensor",
     "QLinear",
+    "QuantizationScheme",
     "QuantizeReport",
     "calibrate",
+    "enable_fp8_kv_cache",
     "freeze",
     "from_pretrained",
     "load_state_dict",
     "quantize",
     "save_pretrained",
 ]
+
+# Names whose module needs transformers (an optional dependency): imported on first use.
+_LAZY = {"enable_fp8_kv_cache": "qfp8.nn.kv_cache"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'qfp8' has no attribute {name!r}")

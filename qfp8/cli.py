@@ -18,6 +18,15 @@ import os
 import re
 import sys
 
+__all__ = [
+    "SOURCE_ARGUMENTS",
+    "SUBCOMMANDS",
+    "SubcommandParser",
+    "USER_ERRORS",
+    "check_source_path",
+    "main",
+]
+
 # subcommand -> (module providing add_arguments/run, one-line help)
 SUBCOMMANDS = {
     "demo": ("qfp8.demo", "quantize SmolLM2-135M (or --model PATH) and compare bf16 with each FP8 scheme"),
@@ -108,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"'{args.command}' is not available in this build")
     if argv is None and args.command == "quantize":
         # The installed command's own process: freed tensors go back to the system at once, instead of piling up
-        # in glibc's heap from shard to shard (peak 2.0x the largest tensor, 1.0x with this; measured).
+        # in glibc's heap from shard to shard (which doubles the peak to twice the largest tensor).
         from qfp8.library.memory import release_large_frees
 
         release_large_frees()

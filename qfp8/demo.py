@@ -22,6 +22,21 @@ import qfp8
 from qfp8 import evaluate
 from qfp8.checkpoint.layerwise import TOKENIZER_FILES
 
+__all__ = [
+    "DEFAULTS",
+    "DEFAULT_PROMPT",
+    "QUICK_DEFAULTS",
+    "SCHEMES",
+    "add_arguments",
+    "build",
+    "check_tokenizer",
+    "decode_rate",
+    "generate",
+    "prompt_ids",
+    "run",
+    "weight_bytes",
+]
+
 # name -> qfp8.quantize arguments (None: the bf16 model itself)
 SCHEMES: dict[str, dict | None] = {
     "bf16": None,

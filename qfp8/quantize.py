@@ -21,6 +21,39 @@ from qfp8.nn.embedding import QEmbedding, untieable_reason
 from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_fp8_experts
 from qfp8.nn.qlinear import TRANSFORMERS_SAVE_REFUSED
 
+__all__ = [
+    "DEFAULT_EXCLUDE",
+    "DEFAULT_KEEPS_TIED",
+    "FLOAT_LINEARS",
+    "KV_CACHE_DTYPES",
+    "META_REASON",
+    "OTHER_WEIGHTS_WARNING",
+    "OtherWeights",
+    "PLAIN_LINEAR_SUBCLASSES",
+    "QuantizeReport",
+    "QuantizeResult",
+    "ReportEntry",
+    "TransformersSaveRefused",
+    "calibrate",
+    "check_calibrated",
+    "exclude_patterns",
+    "excluded_by",
+    "float_linear_reason",
+    "freeze",
+    "guard_transformers_save",
+    "linear_class_reason",
+    "other_kinds_clause",
+    "other_weight_kinds",
+    "quantize",
+    "tie_embedding",
+    "tied_float_holders",
+    "tied_head_note",
+    "unmatched_exclude_notes",
+    "untie_config",
+    "untie_problem",
+    "unwrapped",
+]
+
 KV_CACHE_DTYPES = (None, "float8_e4m3fn", "float8_e5m2")
 # The default ``exclude``: by identity, a model without ``lm_head`` gets no
 # "pattern matches nothing" warning for it (a user-given pattern does).
@@ -648,8 +681,7 @@ def quantize(
         # The float tensors left, if mapped from a file (transformers' loading), would keep every page
         # quantize read from it resident (see qfp8.library.memory).
         memory.copy_out_of_file_mappings(model)
-    # glibc keeps freed heap memory: measured here, a bf16 model's process had stayed 78-162 MB above the
-    # quantized model's size.
+    # glibc keeps freed heap memory (for a bf16 model, tens to hundreds of MB above the quantized model).
     memory.return_freed_memory()
     return QuantizeResult(outer, report)
 

@@ -11,8 +11,7 @@ binade lower). Weights converted from a 4-bit GGUF sit on a coarse grid
 (``d * q + m`` per 32 values), so the choice of ``c`` decides how many of
 their values land on, or far from, FP8 points. No per-channel scale makes a
 Q4_1 row exact (each block's offset ``m / d`` is an arbitrary fraction, and a
-row has 18 blocks), and a finer search than 16 candidates gained < 0.2 dB of
-weight SQNR on SmolLM2. And rounding each weight to its nearest FP8 value
+row has 18 blocks), and a finer search than 16 candidates gains little. And rounding each weight to its nearest FP8 value
 ignores that the errors of one output row add up through the correlated inputs.
 
 Given ``H = sum_x x^T x`` over calibration inputs (``[K, K]``), the output error
@@ -28,23 +27,10 @@ decreasing order of ``H_kk``, each rounding error being spread over the
 columns still to be rounded through the Cholesky factor of ``H^-1``, so that
 the errors cancel in the output instead of adding up.
 
-Measured on SmolLM2-135M (weights from a Q4_1 GGUF), W8A16 e4m3 per-channel,
-calibration 4 x 512 tokens of pydoc_data, KL(float32 || FP8) per token over
-2 x 512 other tokens: round to nearest 0.0180, ``"scale"`` 0.0080, ``"gptq"``
-0.0046 (bench/accuracy.py prints the full table). The weight SQNR goes *down*
-with ``"gptq"`` (31.6 -> 28.7 dB): the error moves to where the inputs are weak.
-
 ``"gptq"`` fits each layer to its calibration inputs, so it wants several
-thousand calibration tokens. Over 32 x 512 evaluation tokens, W8A16
-per-channel KL was 0.0056 calibrated on 4 x 512 tokens and 0.0040 on 28 x 512
-(round to nearest: 0.0185); W8A8 per-token 0.0170 and 0.0151 (0.0299). On 8 x
-512 tokens, 16 x 512 calibration tokens gave most of that gain; the damping
-(0.001 to 0.1) and a Hessian of the FP8-rounded inputs for W8A8 moved the KL
-by at most 5 % either way. Also tried for W8A8 on 8 x 512 tokens (``"gptq"``:
-0.0150), not adopted: fitting each layer to the float model's outputs from
-the quantized model's inputs (least squares in the spirit of GPTAQ, then
-GPTQ) gave 0.063 even when done layer by layer in order; weighting each token
-by ``1 / |x|^2`` in ``H`` gave 0.0149.
+thousand calibration tokens. The weight SQNR goes *down* with ``"gptq"``: the
+error moves to where the inputs are weak. docs/accuracy.md has the
+measurements, and the variants tried and not adopted.
 """
 
 from __future__ import annotations
@@ -54,6 +40,18 @@ import contextlib
 import torch
 
 from qfp8 import formats
+
+__all__ = [
+    "ACCURACY_MODES",
+    "GPTQ_BLOCK",
+    "GPTQ_DAMPING",
+    "SCALE_CANDIDATES",
+    "check_mode",
+    "gptq_factors",
+    "gptq_round",
+    "quantize_weight",
+    "search_scale",
+]
 
 ACCURACY_MODES = (None, "scale", "gptq")
 # c in [1, 2): 16 evenly spaced multipliers of amax / fmax (32 gained little, at twice the time).
@@ -161,7 +159,7 @@ def gptq_round(
 @contextlib.contextmanager
 def _one_thread():
     # The column loop runs thousands of small ops: with more threads their
-    # start-up costs more than the work (10x slower on a busy 2-core machine).
+    # start-up costs more than the work.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -286,7 +286,7 @@ def test_demo_argument_errors_come_before_the_work(
         (["--activations", "static", "--activation-scale", "token"], "(static input scales are per tensor)"),
         (["--calibration-tokens", "64"], "--calibration-tokens: nothing to calibrate"),
         (["--kv-cache", "float8_e4m3fn", "--calibration", "a.txt", "--calibration-ids", "b.txt"], "not both"),
-        # --calibration-ids are used whole: a token count was silently ignored ("calibrated on 512 tokens")
+        # --calibration-ids are used whole: a token count would be silently ignored
         *(
             (
                 ["--activations", "static", "--calibration-ids", "ids.txt", "--calibration-tokens", n],
@@ -294,7 +294,7 @@ def test_demo_argument_errors_come_before_the_work(
             )
             for n in ("64", "100000")
         ),
-        # a count below 2 is refused whatever else is given (it was accepted with --calibration-ids)
+        # a count below 2 is refused whatever else is given (--calibration-ids included)
         *(
             (options, f"--calibration-tokens must be at least 2 (tokens of calibration text), got {n}")
             for n in ("0", "-5", "1")

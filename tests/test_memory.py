@@ -52,7 +52,7 @@ def test_banded_checks_count_every_non_finite_value(monkeypatch):
 
 
 def test_quantizing_a_large_weight_peaks_near_its_fp8_bytes(rss_reader):
-    """A whole-weight float32 temporary had made it 4x (channel) to 6x (block) the bf16 weight's bytes."""
+    """Bands of rows, not a whole-weight float32 temporary (4x to 6x the bf16 weight's bytes)."""
     script = rss_reader + textwrap.dedent(
         """
         import torch, qfp8

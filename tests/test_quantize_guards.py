@@ -321,7 +321,7 @@ def test_a_parametrized_linear_is_quantized_without_a_left_in_float_warning():
     ],
 )
 def test_arguments_that_would_be_ignored_are_refused(kwargs, message):
-    """Each of these was accepted and had no effect (the CLI refused the same options).
+    """Each of these would have no effect, so it is refused (as the CLI refuses the same options).
 
     A valid block_size with another granularity stays accepted: sweeps pass one to every weight_scale.
     """
@@ -415,8 +415,8 @@ def test_a_meta_input_gives_a_meta_output_on_every_path():
 
 @pytest.mark.parametrize("accuracy", [False, True], ids=["plain", "accuracy-mode"])
 def test_a_huge_block_size_quantizes_and_runs(accuracy):
-    """qfp8.quantize(block_size=(10**6, 10**6)) raised an allocation RuntimeError (4e12 bytes); a block beyond
-    the weight now means one block per side. Accuracy mode's scale search pads to the grid too."""
+    """qfp8.quantize(block_size=(10**6, 10**6)) allocates nothing of that size (4e12 bytes): a block beyond the
+    weight means one block per side. Accuracy mode's scale search pads to the grid too."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 32))
     x = torch.randn(5, 64)

@@ -47,6 +47,36 @@ import torch
 from qfp8 import formats
 from qfp8.nn.scheme import QuantizationScheme
 
+__all__ = [
+    "DYNAMIC_STRATEGIES",
+    "FLOAT_FORMAT",
+    "FUSED_LAYERS",
+    "KV_DTYPE_KEY",
+    "Layer",
+    "MIXED_FORMAT",
+    "QFP8_METHOD",
+    "QFP8_METHOD_KEY",
+    "QUANT_METHOD",
+    "STANDARD_WEIGHT_DTYPES",
+    "STORED_FP8_FORMATS",
+    "TIED_EMBEDDINGS_KEY",
+    "TOKEN_MSE_KEY",
+    "VLLM_EXPERT_PARTS",
+    "VLLM_FLOAT_LINEARS",
+    "build_quantization_config",
+    "group_to_scheme",
+    "kv_cache_dtype",
+    "kv_cache_scheme",
+    "matches",
+    "matching_group",
+    "qfp8_only_reasons",
+    "save_warnings",
+    "scheme_to_group",
+    "token_mse_groups",
+    "transformers_incompatibilities",
+    "vllm_incompatibilities",
+]
+
 QUANT_METHOD = "compressed-tensors"
 # The same body, for what compressed-tensors cannot represent: written without quant_method (which other
 # readers then refuse) and with QFP8_METHOD_KEY: QFP8_METHOD instead.
@@ -166,7 +196,7 @@ def build_quantization_config(
     ``model_names``: checkpoint module name -> the module's name in the model transformers builds, where the two
     differ (Llava: ``language_model.lm_head`` is the model's ``lm_head``). compressed-tensors under transformers 5
     matches ``ignore`` and the targets against the model's names, vLLM and older transformers against the
-    checkpoint's: both are listed. A layer of ``ignore`` named only by its checkpoint name was quantized by
+    checkpoint's: both are listed. A layer of ``ignore`` named only by its checkpoint name would be quantized by
     transformers 5 with an uninitialised scale (NaN logits for a Llava with ``lm_head`` kept in float).
 
     ``quant_method`` is ``"compressed-tensors"``; when :func:`qfp8_only_reasons` finds something there is no

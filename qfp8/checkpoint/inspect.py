@@ -11,6 +11,14 @@ import torch
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.readers import open_checkpoint
 
+__all__ = [
+    "add_arguments",
+    "describe",
+    "format_description",
+    "run",
+    "vllm_notes",
+]
+
 
 def _group_name(module: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", module)

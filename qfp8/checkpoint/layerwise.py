@@ -46,6 +46,23 @@ from qfp8.checkpoint.readers import CheckpointPlan
 from qfp8.nn import QLinear
 from qfp8.quantize import calibrate, quantize
 
+__all__ = [
+    "ACCURACY_TOKENS",
+    "DEFAULT_TEXT_OFFSET",
+    "DEFAULT_TOKENS",
+    "MODEL_TYPES",
+    "TOKENIZER_FILES",
+    "WINDOW",
+    "architecture_name",
+    "calibrate_layerwise",
+    "calibration_rows",
+    "check_architecture",
+    "default_text",
+    "load_tokenizer",
+    "read_token_ids",
+    "text_token_ids",
+]
+
 # model_type -> transformers decoder models whose forward is embed -> rotary ->
 # causal (or sliding-window) mask -> layers -> norm, with nothing in between.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

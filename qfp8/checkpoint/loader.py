@@ -35,6 +35,22 @@ from qfp8.nn.embedding import QEmbedding, is_plain_embedding
 from qfp8.nn.experts import QExperts, find_fused_experts, use_fp8_experts
 from qfp8.nn.qlinear import state_spec
 
+__all__ = [
+    "COMPUTE_DTYPES",
+    "ExpertWeights",
+    "FP8_DTYPES",
+    "KV_SCALE_RENAMES",
+    "assign_state",
+    "build_model",
+    "build_skeleton",
+    "checkpoint_to_model",
+    "enable_kv_cache_skeleton",
+    "from_pretrained",
+    "load_state_dict",
+    "normalize_state_dict",
+    "release_pages",
+]
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
 KV_SCALE_RENAMES = {".kv_scale": (".k_scale", ".v_scale")}
 
@@ -764,8 +780,8 @@ def _compute_dtype(dtype, config_dtype) -> torch.dtype:
 
 
 def _usable_device(device) -> torch.device:
-    """``device`` as a torch.device this build and machine can put tensors on, checked before the load (which
-    had run whole before torch's AssertionError for "cuda" on a CPU build)."""
+    """``device`` as a torch.device this build and machine can put tensors on, checked before the load (torch's
+    own error for "cuda" on a CPU build would come only after the whole load)."""
     if device is None:
         return torch.device("cpu")
     if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
@@ -838,5 +854,5 @@ def from_pretrained(
     model.eval()
     if torch.device(device).type != "cpu":
         model.to(device)
-    memory.return_freed_memory()  # glibc kept ~110 MB of loading's freed heap for SmolLM2 (measured)
+    memory.return_freed_memory()  # glibc would otherwise keep loading's freed heap (about 100 MB for SmolLM2)
     return model

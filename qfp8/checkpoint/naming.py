@@ -25,6 +25,12 @@ from __future__ import annotations
 
 from torch import nn
 
+__all__ = [
+    "CheckpointNames",
+    "KV_ROUNDING_FILE",
+    "split_rows",
+]
+
 # The FP8 KV cache's query second moments (compensated key rounding, qfp8.nn.kv_cache): qfp8's own file beside
 # the weights, since vLLM refuses a checkpoint tensor it does not know. Safetensors inside, but not named
 # *.safetensors: vLLM loads every *.safetensors file of a folder that has no index.

@@ -52,6 +52,23 @@ from qfp8.checkpoint.naming import KV_ROUNDING_FILE
 from qfp8.checkpoint.safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle_message
 from qfp8.nn.scheme import QuantizationScheme
 
+__all__ = [
+    "Checkpoint",
+    "CheckpointPlan",
+    "FP8_WEIGHT_DTYPES",
+    "IGNORED_SUFFIXES",
+    "INDEX_NAME",
+    "QUANTO_QMAP",
+    "QUANTO_QMAP_NAMES",
+    "QUANTO_WEIGHT_TYPES",
+    "SINGLE_NAME",
+    "StoredTensor",
+    "check_scale",
+    "check_scale_dtype",
+    "open_checkpoint",
+    "resolve",
+]
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 QUANTO_QMAP = "quanto_qmap.json"
@@ -280,7 +297,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             raise ValueError(f"{index_path}: weight_map must map tensor names to shard file names (strings)")
         names = sorted(set(weight_map.values()))
         for name in names:
-            if Path(name).name != name or name in (".", ".."):  # "../other/model.safetensors" had been followed
+            if Path(name).name != name or name in (".", ".."):  # no "../other/model.safetensors"
                 raise ValueError(
                     f"{index_path} lists shard {name!r}, which is not a file name in {directory}; shards sit "
                     "beside the index"

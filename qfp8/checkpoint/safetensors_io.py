@@ -34,6 +34,22 @@ from pathlib import Path
 
 import torch
 
+__all__ = [
+    "AtomicDirectoryWrite",
+    "DTYPES",
+    "DTYPE_NAMES",
+    "MAX_HEADER_BYTES",
+    "OLD_TEMP_FILE",
+    "PICKLE_SUFFIXES",
+    "PlannedTensor",
+    "SafetensorsFile",
+    "TEMP_FILE",
+    "TensorInfo",
+    "is_temporary_file",
+    "refuse_pickle_message",
+    "write_safetensors",
+]
+
 DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,

@@ -89,6 +89,20 @@ from qfp8.quantize import (
     untie_problem,
 )
 
+__all__ = [
+    "CHUNK_ROWS",
+    "ModelLinears",
+    "add_arguments",
+    "check_option_combinations",
+    "dequantize_rows",
+    "quantize_rows",
+    "read_user_file",
+    "run",
+    "sigterm_as_exit",
+    "stream_quantize",
+    "weight_scale",
+]
+
 CHUNK_ROWS = 1024  # rows quantized at once: bounds the float32 temporaries
 
 

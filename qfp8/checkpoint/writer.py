@@ -39,6 +39,27 @@ from qfp8.nn.embedding import QEmbedding
 from qfp8.nn.experts import QExperts, find_fused_experts
 from qfp8.quantize import check_calibrated, unwrapped
 
+__all__ = [
+    "CARRIED_FILES",
+    "CHECKPOINT_FILE",
+    "DEFAULT_MAX_SHARD_SIZE",
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "add_transformers4_keys",
+    "carried_files",
+    "check_output_directory",
+    "kv_rounding_file",
+    "model_config_dict",
+    "model_layers",
+    "model_quantization_config",
+    "parse_size",
+    "plan_model_tensors",
+    "previous_checkpoint_files",
+    "save_pretrained",
+    "tied_embeddings",
+    "write_checkpoint",
+]
+
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -312,8 +333,8 @@ def write_checkpoint(
     else:
         shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     directory = check_output_directory(directory, "write_checkpoint")
-    # A folder where a file goes cannot be replaced: said before anything is written (the shards had been
-    # moved in already when config.json, a folder, raised IsADirectoryError).
+    # A folder where a file goes cannot be replaced: said before anything is written, so that no shard is
+    # moved in before config.json (a folder) would fail.
     targets = [*shard_names, *(extra_files or {}), "config.json", *([INDEX_NAME] if len(shards) > 1 else [])]
     for name in targets:
         path = directory / name
@@ -586,5 +607,5 @@ def save_pretrained(
             rounding = k_rounding_state(model)
         extra.update(kv_rounding_file(rounding, scratch))
         write_checkpoint(directory, plan, config, max_shard_size, extra)
-    memory.return_freed_memory()  # a tied table written from the FP8 head: 192 MB glibc had kept (measured)
+    memory.return_freed_memory()  # glibc keeps freed heap (a tied table written from the FP8 head: ~200 MB)
     return Path(directory)

@@ -13,6 +13,8 @@ import os
 import warnings
 from types import ModuleType
 
+__all__ = ["load_cpu_extension"]
+
 _LOADED: dict[str, ModuleType | None] = {}
 
 

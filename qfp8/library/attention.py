@@ -28,6 +28,16 @@ import torch
 
 from qfp8 import formats
 
+__all__ = [
+    "MASKED_BELOW",
+    "check_decode_attention_args",
+    "compensated_cpu_kernel",
+    "fp8_compensated_quantize",
+    "fp8_compensated_quantize_reference",
+    "fp8_decode_attention",
+    "fp8_decode_attention_reference",
+]
+
 torch.library.define(
     "qfp8::fp8_decode_attention",
     "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor key_scale, Tensor value_scale, Tensor? mask, "

@@ -13,15 +13,15 @@ to inputs) and a bias the user made trainable get gradients:
 :func:`linear` applies it: a call that needs a gradient goes through
 :class:`_Linear`, an ``autograd.Function``; any other call is the op itself.
 The formula is not registered as a Python kernel on the ops' Autograd
-dispatch key: one runs on every dispatcher call, gradient or not, and
-measured 20-30 us more per call here (about half a small layer's whole
-cost in compiled decode). ``QLinear``, ``Float8WeightTensor`` and the CPU
+dispatch key: one runs on every dispatcher call, gradient or not, which
+would cost tens of microseconds per call (about half a small layer's whole
+cost in compiled decode; docs/design.md). ``QLinear``, ``Float8WeightTensor`` and the CPU
 kernel's eager entry call :func:`linear`. Direct calls (a graph
 ``torch.export`` traced holds the ops themselves) get the formula too: the
 reference op, a ``torch.library.custom_op`` that has a Python autograd
 kernel anyway, through :func:`register_backward`; the CPU kernel's op
 (and ``experts_linear``) through the extension's C++ Autograd kernel, which checks whether a gradient is needed and only then calls
-:func:`apply_linear` (0.04 us a call otherwise). The CUDA kernels' ops
+:func:`apply_linear` (next to nothing otherwise). The CUDA kernels' ops
 refuse a direct call that needs a gradient.
 """
 
@@ -30,6 +30,14 @@ from __future__ import annotations
 import torch
 
 from qfp8 import formats
+
+__all__ = [
+    "apply_linear",
+    "grad_input_linear",
+    "linear",
+    "needs_grad",
+    "register_backward",
+]
 
 
 def _grad_input(grad: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_size) -> torch.Tensor:

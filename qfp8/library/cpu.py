@@ -50,6 +50,25 @@ from qfp8.library import (
 from qfp8.library.ops import ACTIVATION_MODES
 from qfp8.library.routing import KernelRequest, LinearKernel, register_kernel
 
+__all__ = [
+    "EMULATED_ISAS",
+    "HUGEPAGE_MIN_BYTES",
+    "ISAS",
+    "KERNEL_VERIFIED",
+    "SELF_CHECK_TOLERANCE",
+    "TILE_N",
+    "check_linear_args",
+    "compiled_isas",
+    "cpu_kernel_isa",
+    "cpu_kernel_isa_forced",
+    "emulated_isas",
+    "packed_shape",
+    "scaled_linear_cpu",
+    "set_cpu_kernel_isa",
+    "usable_isas",
+    "verify_cpu_kernel_isa",
+]
+
 TILE_N = 32  # output channels per packed tile
 ISAS = ("amx", "avx512bf16", "avx512", "avx2", "scalar")
 # Test-only variants, never chosen automatically: "avx512emu" is the AVX512
@@ -99,8 +118,7 @@ def _packed_buffer(nbytes: int) -> torch.Tensor:
     The kernels stream the whole packed weight at every call. From one huge
     page up, the buffer comes from the extension's 2 MiB-aligned allocator,
     advised for transparent huge pages (fewer TLB misses, prefetchers not
-    stopped every 4 KiB): 6-15 % more weight-read bandwidth at M = 1 on this
-    project's test machine. Smaller weights, or a build without the extension,
+    stopped every 4 KiB; docs/cpu-kernels.md). Smaller weights, or a build without the extension,
     use torch's allocator.
     """
     if _EXTENSION is not None and nbytes >= HUGEPAGE_MIN_BYTES:
@@ -159,7 +177,7 @@ def _differentiable(*args):
 _EXTENSION = load_cpu_extension()
 if _EXTENSION is not None:
     # QLinear's eager fast path calls qfp8._C.scaled_linear_cpu_eager, which
-    # parses its arguments itself (7 us less per call than torch.ops' boxing)
+    # parses its arguments itself (cheaper than torch.ops' boxing)
     # and hands any call that needs the dispatcher to the op.
     _EXTENSION._set_eager_fallback(_eager_fallback, torch.nn.Parameter)
     # The extension's Autograd kernel of these ops sends each call that needs
@@ -258,12 +276,12 @@ _apply_isa_environment()
 
 # ------------------------------------------------------------ self-check
 #
-# The tests run every variant the test machine supports, but the AVX512
-# ones, compiled into every x86-64 build, have not yet run on a machine with
-# AVX512. So at import the variant picked for this CPU runs small problems
-# through every code path it has and is compared with the reference op's
-# math; one that disagrees is not used (one warning, then the next variant
-# down). It costs about 40 ms once per process.
+# The tests run every variant the test machine supports, and a build can
+# meet a CPU (or compiler) its tests never ran on. So at import the variant
+# picked for this CPU runs small problems through every code path it has and
+# is compared with the reference op's math; one that disagrees is not used
+# (one warning, then the next variant down). It costs a few to tens of
+# milliseconds once per process.
 
 # Relative L2 error of the output: float32 outputs differ from the float64
 # reference only by the sum order, bf16 / fp16 ones also by the final

@@ -7,7 +7,7 @@ here touches CUDA at import: whether a kernel takes a layer is decided at
 ``freeze``/pack time by its ``supports`` predicate (GPU capability, shape,
 scheme, whether the CUDA extension is built, ``QFP8_CUDA_KERNELS``).
 
-Routes, best first (DESIGN.md):
+Routes, best first (docs/design.md):
 
 - ``cuda-scaled-mm``: W8A8 (``activation`` token/tensor/static) on sm89+,
   FP8 x FP8 on tensor cores via ``torch._scaled_mm`` with float32
@@ -53,6 +53,34 @@ from qfp8.library import (
 )
 from qfp8.library.ops import ACTIVATION_MODES, reference_activation
 from qfp8.library.routing import KernelRequest, LinearKernel, register_kernel
+
+__all__ = [
+    "CUDA_KERNELS_ENV",
+    "HALF_DTYPES",
+    "LARGE_M",
+    "MARLIN_KERNEL",
+    "MARLIN_MIN_CAPABILITY",
+    "ROWWISE_MIN_CAPABILITY",
+    "SCALED_MM_ALIGN",
+    "SCALED_MM_KERNEL",
+    "SCALED_MM_MIN_CAPABILITY",
+    "SCALED_MM_PADDED_KERNEL",
+    "SCALED_MM_WEIGHT_DTYPES",
+    "TILE_BYTES",
+    "TILE_K",
+    "TILE_N",
+    "cuda_extension_loaded",
+    "cuda_kernels_enabled",
+    "device_capability",
+    "load_cuda_extension",
+    "pack_weight_cuda",
+    "pack_weight_scaled_mm",
+    "packed_shape",
+    "quantize_for_scaled_mm",
+    "scaled_mm_scales",
+    "unpack_weight_cuda",
+    "unpack_weight_scaled_mm",
+]
 
 CUDA_KERNELS_ENV = "QFP8_CUDA_KERNELS"
 TILE_N = 32  # packed tile: 32 output channels x 32 input channels (qfp8/ext/cuda/fp8_layout.cuh)

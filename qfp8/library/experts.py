@@ -31,6 +31,15 @@ import torch
 
 from qfp8.library.routing import KernelRequest, kernel_by_name
 
+__all__ = [
+    "ExpertsLinear",
+    "apply_differentiable",
+    "expert_rows",
+    "experts_linear_grad_input_impl",
+    "experts_linear_impl",
+    "register_backward",
+]
+
 torch.library.define(
     "qfp8::experts_linear",
     "(Tensor x, Tensor expert_ids, Tensor[] weights, Tensor[] weight_scales, Tensor[] input_scales, str kernel, "

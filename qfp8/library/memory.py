@@ -2,8 +2,8 @@
 
 - :func:`return_freed_memory`: glibc keeps freed heap memory; ``malloc_trim`` gives it back.
 - :func:`copy_out_of_file_mappings`: a model transformers loaded maps its safetensors files. Every tensor
-  of a file keeps the whole mapping, and so every page read from it, resident: after ``quantize`` had
-  replaced the Linears, the few float tensors left (a model's norms: 68 KB) kept the whole 640 MiB bf16
+  of a file keeps the whole mapping, and so every page read from it, resident: once ``quantize`` has
+  replaced the Linears, the few float tensors left (a model's norms: kilobytes) would keep the whole bf16
   file resident beside the FP8 weights. Copied out, the mapping goes.
 - :func:`release_large_frees`: for a process that streams tensors (the CLI), freed large blocks go back
   to the system at once instead of piling up in glibc's heap from shard to shard.
@@ -16,6 +16,12 @@ import ctypes
 
 import torch
 from torch import nn
+
+__all__ = [
+    "copy_out_of_file_mappings",
+    "release_large_frees",
+    "return_freed_memory",
+]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 

@@ -26,6 +26,12 @@ import torch
 
 from qfp8 import formats
 
+__all__ = [
+    "ACTIVATION_MODES",
+    "reference_activation",
+    "scaled_linear",
+]
+
 ACTIVATION_MODES = ("none", "token", "tensor", "group", "static", "token-mse")
 
 

@@ -22,6 +22,17 @@ import torch
 from qfp8 import formats
 from qfp8.library import ops  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
 
+__all__ = [
+    "KernelRequest",
+    "LinearKernel",
+    "REFERENCE_KERNEL",
+    "dequantized_rows",
+    "kernel_by_name",
+    "register_kernel",
+    "registered_kernels",
+    "select_kernel",
+]
+
 
 @dataclass(frozen=True)
 class KernelRequest:

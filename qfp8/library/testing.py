@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import torch
 
+__all__ = [
+    "OPCHECK_TESTS",
+    "opcheck",
+]
+
 OPCHECK_TESTS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 

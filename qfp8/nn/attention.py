@@ -5,10 +5,8 @@ grouped-query model by folding the ``G`` query heads that share a K/V head
 into ``G`` query rows of that head (``pack_gqa``), but only in eager mode.
 Under ``torch.compile`` it expands K and V to every query head instead
 (``repeat_kv``): a copy of the whole cache per layer and step, and ``G``
-times the heads for torch's CPU attention kernel. Measured here on a
-Llama-shaped 1B layer (32 query heads, 8 K/V heads, 256 cached positions,
-2 threads): 365 us per layer compiled against 77 us eager, enough to make a
-compiled FP8 decode step slower than an eager one.
+times the heads for torch's CPU attention kernel: enough to make a compiled
+FP8 decode step slower than an eager one (docs/benchmarks.md).
 
 :data:`PACKED_SDPA` is transformers' ``"sdpa"`` with that packing done in
 both modes. :func:`qfp8.quantize` (and :func:`qfp8.from_pretrained`) switch
@@ -23,6 +21,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+__all__ = [
+    "PACKED_SDPA",
+    "packable",
+    "packed_sdpa",
+    "register",
+    "use_packed_sdpa",
+]
 
 try:  # transformers is optional: a model whose attention is "sdpa" comes with it
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

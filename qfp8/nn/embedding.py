@@ -28,6 +28,14 @@ from qfp8.nn.qlinear import _STATE_SPEC_ONLY, QLinear
 from qfp8.tensor import Float8WeightTensor
 from qfp8.tensor.weights import check_row_ids
 
+__all__ = [
+    "LOADED_FLOOR",
+    "LOADED_TOLERANCE",
+    "QEmbedding",
+    "is_plain_embedding",
+    "untieable_reason",
+]
+
 # A loaded ``weight`` counts as the head's table when it is within the
 # rounding of a bf16 (or fp16) checkpoint of it: 2^-8 relative. FP8 steps
 # are 2^-3 (e4m3) apart, so the float table the head was quantized from
@@ -35,7 +43,7 @@ from qfp8.tensor.weights import check_row_ids
 LOADED_TOLERANCE = 2.0**-8
 LOADED_FLOOR = 2.0**-24  # fp16's subnormal step: where fp16's rounding is absolute, not relative
 # Table values dequantized at a time (saving the table, checking a loaded one): their float32 temporaries stay
-# a few MB (4096 rows of a 2048-wide table had added ~100 MB each, 400 MB to a tied checkpoint's load).
+# a few MB, however wide the table.
 _CHUNK_VALUES = 1 << 20
 
 
@@ -136,7 +144,7 @@ class QEmbedding(nn.Module):
 
     def table(self) -> torch.Tensor:
         """The whole dequantized ``[vocab, hidden]`` table, in this module's dtype, made a band of rows at a
-        time: the float32 products of all rows at once had peaked at 6.5x a bf16 table's bytes when saving."""
+        time: the float32 products of all rows at once would peak at several times a bf16 table's bytes."""
         dtype = self.dtype_of_rows.dtype
         with self._head_buffers() as buffers:
             out = torch.empty(self.num_embeddings, self.embedding_dim, dtype=dtype, device=buffers["qweight"].device)

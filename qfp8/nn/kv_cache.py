@@ -96,6 +96,35 @@ from qfp8.library import attention as attention_ops
 from qfp8.nn.attention import PACKED_SDPA, packed_sdpa
 from qfp8.nn.qlinear import keep_buffer_dtypes
 
+__all__ = [
+    "DYNAMIC_HEADROOM",
+    "FUSED_ATTENTION",
+    "Float8DynamicLayer",
+    "Float8DynamicSlidingWindowLayer",
+    "Float8KVAttentionMixin",
+    "Float8StaticLayer",
+    "Float8StaticSlidingWindowLayer",
+    "GROWTH_CHECK_TOKENS",
+    "KV_CACHE_DTYPES",
+    "KV_ROUNDING_BUFFERS",
+    "KV_ROUNDING_DAMPING",
+    "SCALE_SEARCH_ROWS",
+    "SCALE_SEARCH_STEPS",
+    "attention_modules",
+    "check_supported",
+    "dequantize_kv",
+    "enable_fp8_kv_cache",
+    "fused_attention_on",
+    "k_rounding_state",
+    "kv_cache_nbytes",
+    "load_k_rounding",
+    "per_head_scale",
+    "quantize_kv",
+    "search_scale",
+    "set_fp8_kv_cache_enabled",
+    "set_k_rounding",
+]
+
 KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DYNAMIC_HEADROOM = 2.0
 # One-token steps check whether a dynamic scale still fits while the cache holds fewer tokens than this (a

@@ -8,6 +8,11 @@ import torch
 
 from qfp8 import formats
 
+__all__ = [
+    "ACTIVATION_SCHEMES",
+    "QuantizationScheme",
+]
+
 ACTIVATION_SCHEMES = (None, "dynamic", "static")
 
 

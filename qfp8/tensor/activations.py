@@ -22,6 +22,10 @@ import torch.nn.functional as F
 from qfp8 import formats
 from qfp8.tensor.base import CONVERSIONS, Float8Tensor, convert
 
+__all__ = [
+    "Float8ActivationTensor",
+]
+
 aten = torch.ops.aten
 
 

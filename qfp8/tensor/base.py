@@ -18,6 +18,14 @@ import torch
 
 from qfp8 import formats
 
+__all__ = [
+    "CONVERSIONS",
+    "FLOAT_CONVERSIONS",
+    "Float8Tensor",
+    "conversion_target",
+    "convert",
+]
+
 
 class Float8Tensor(torch.Tensor):
     tensor_data_names: tuple[str, ...] = ()

@@ -24,6 +24,12 @@ from qfp8.library import autograd
 from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest, dequantized_rows, kernel_by_name
 from qfp8.tensor.base import CONVERSIONS, Float8Tensor, convert
 
+__all__ = [
+    "Float8WeightTensor",
+    "check_row_ids",
+    "weight_granularity",
+]
+
 aten = torch.ops.aten
 
 

@@ -43,7 +43,7 @@ def test_quick_mode_on_smollm2_holds_the_w8a16_channel_kl_target(tmp_path):
     assert "KL target" in result.stdout
 
 
-def test_every_row_and_per_layer_report_on_a_tiny_model(tmp_path):
+def test_every_row_and_per_layer_report_on_a_tiny_model(tmp_path, check_provenance):
     folder = evaluate.save_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "accuracy.json"
     result = run_bench(
@@ -63,6 +63,7 @@ def test_every_row_and_per_layer_report_on_a_tiny_model(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     payload = json.loads(out.read_text())
+    check_provenance(payload, "accuracy.py")
     names = [row["name"] for row in payload["rows"]]
     assert names[:2] == ["float32", "bf16"] and "quanto-w8" in names and "w8a16-channel+gptq" in names
     for row in payload["rows"]:

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers", reason="bench/decode.py runs a Hugging Face Llama")
 
 
-def test_decode_bench_quick_mode(tmp_path):
+def test_decode_bench_quick_mode(tmp_path, check_provenance):
     out = tmp_path / "decode.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
@@ -29,6 +29,7 @@ def test_decode_bench_quick_mode(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert "Greedy decode" in result.stdout and "Fast path" in result.stdout
     report = json.loads(out.read_text())
+    check_provenance(report, "decode.py")
 
     rows = report["decode"]
     assert sorted((r["scheme"], r["attention"], r["mode"]) for r in rows) == sorted(

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py: the CPU dry run passes and the GPU plan is what the issue asks for."""
+"""bench/gpu_check.py: the CPU dry run passes and the GPU plan covers the shapes and routes it must."""
 
 import importlib.util
 import json
@@ -20,7 +20,7 @@ def load_script():
     return module
 
 
-def test_gpu_plan_covers_the_issue_shapes():
+def test_gpu_plan_covers_the_required_shapes():
     gpu_check = load_script()
     assert gpu_check.TIMING_MS == (1, 16, 64, 256, 4096)
     assert set(gpu_check.TIMING_SHAPES) == {(8192, 8192), (8192, 28672), (28672, 8192)}
@@ -44,7 +44,7 @@ def test_arguments():
     assert not gpu_check.parse_args([]).cpu_dry_run
 
 
-def test_cpu_dry_run_passes(tmp_path):
+def test_cpu_dry_run_passes(tmp_path, check_provenance):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("QFP8_KERNEL", None)
@@ -57,6 +57,7 @@ def test_cpu_dry_run_passes(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads(out.read_text())
+    check_provenance(data, "gpu_check.py")
     assert data["mode"] == "cpu-dry-run" and data["passed"] is True
     routes = {row["route"].split("[")[0] for row in data["checks"]}
     assert {"pack", "weight-only(emulated)", "scaled-mm", "qlinear"} <= routes

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     "extra", [[], ["--weight-scale", "block", "--shapes", "576x1536"]], ids=["channel", "block-one-shape"]
 )
-def test_bench_linear_quick_writes_every_column(tmp_path, extra):
+def test_bench_linear_quick_writes_every_column(tmp_path, extra, check_provenance):
     from qfp8.library import cpu
 
     if cpu.cpu_kernel_isa() is None:
@@ -30,6 +30,7 @@ def test_bench_linear_quick_writes_every_column(tmp_path, extra):
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
+    check_provenance(data, "linear.py")
     columns = ["bf16", "fp32", "qfp8_w8a16", "qfp8_w8a8", "dequant_bf16", "scaled_mm", "int8pack_mm"]
     assert data["columns"] == columns
     assert data["rows"], "no rows measured"

@@ -253,7 +253,7 @@ def test_an_unusable_device_is_refused_before_the_load(saved):
 
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors", "generation_config.json"])
 def test_a_folder_where_a_checkpoint_file_goes_is_refused_before_writing(tiny, tmp_path, name):
-    """With config.json a folder, model.safetensors had been moved in before IsADirectoryError: half a checkpoint."""
+    """With config.json a folder, nothing is moved in (no half-written checkpoint): refused before writing."""
     model = tiny.model()
     qfp8.quantize(model)
     (tmp_path / "out" / name).mkdir(parents=True)
@@ -333,7 +333,7 @@ def test_block_strategy_without_block_structure_names_the_config_key(saved):
 
 def test_a_config_tying_a_quantized_lm_head_loads_it_untied(tiny, tmp_path, x):
     """The checkpoint holds two different tensors under the tied names (an FP8 head, a float table): they load
-    as they are, as transformers loads two different tables (it had been refused)."""
+    as they are, as transformers loads two different tables."""
     model = tiny.model()  # untied, so quantize takes lm_head too
     qfp8.quantize(model, exclude=())
     qfp8.save_pretrained(model, tmp_path)
@@ -377,7 +377,7 @@ def test_config_json_of_the_wrong_type_names_the_file_and_key(saved, edit, match
 
 @pytest.mark.parametrize("case", ["map-str", "map-int", "outside"])
 def test_a_shard_index_of_the_wrong_type_or_outside_the_folder_is_refused(tiny, tmp_path, case):
-    """An index naming ../other/model.safetensors had been followed out of the checkpoint's folder."""
+    """An index naming ../other/model.safetensors is not followed out of the checkpoint's folder."""
     model = tiny.model()
     qfp8.quantize(model)
     qfp8.save_pretrained(model, tmp_path / "other")

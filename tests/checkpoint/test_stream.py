@@ -400,9 +400,9 @@ def test_a_missing_stored_tensor_is_still_refused(tiny, tmp_path):
 
 
 def test_stream_writes_the_config_keys_save_pretrained_writes(tiny, tmp_path):
-    """The CLI copied the source's config.json: transformers 5 writes rope_parameters only, so vLLM on
-    transformers 4 would have run this Llama-3-style model with RoPE base 10000. A folder without architectures
-    (converted from GGUF) now gets the class built, as qfp8.save_pretrained writes."""
+    """The CLI writes config.json as qfp8.save_pretrained does, not a copy of the source's: transformers 5 writes
+    rope_parameters only, so vLLM on transformers 4 would run this Llama-3-style model with RoPE base 10000. A
+    folder without architectures (converted from GGUF) gets the class built, as qfp8.save_pretrained writes."""
     model = tiny.model(torch.bfloat16, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     model.save_pretrained(tmp_path / "float")
     source = json.loads((tmp_path / "float" / "config.json").read_text())
@@ -421,8 +421,8 @@ def test_stream_writes_the_config_keys_save_pretrained_writes(tiny, tmp_path):
 
 @pytest.mark.parametrize("case", ["wrong-shape", "missing-weight", "config-hidden-size", "config-layers"])
 def test_stream_refuses_a_checkpoint_its_config_does_not_describe(tiny, tmp_path, case):
-    """Each was written with exit 0 (the missing Linear as "tied to another tensor", kept float, the wrong shapes
-    quantized as stored), and qfp8.from_pretrained then refused the output."""
+    """Each is refused with nothing written: otherwise the missing Linear would be kept float as "tied to another
+    tensor" and the wrong shapes quantized as stored, an output qfp8.from_pretrained refuses."""
     source = tmp_path / "float"
     tiny.model().save_pretrained(source)
     state = tiny.tensors(source)

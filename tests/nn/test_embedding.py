@@ -60,7 +60,7 @@ def quantized(model=None, **kwargs):
 @pytest.mark.parametrize("shape", [(1, 1), (33, 7), (70, 577), (64, 64)])
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "block", "huge-block"])
 def test_rows_from_the_layout_are_the_dequantized_weight_rows_bit_for_bit(layout, fp8, shape, granularity):
-    """huge-block: (10^6, 10^6), one block for the whole weight (the row scales had been 10^6 columns wide)."""
+    """huge-block: (10^6, 10^6), one block for the whole weight (the row scales are not 10^6 columns wide)."""
     n, k = shape
     weight = torch.randn(n, k) * torch.logspace(-3, 3, n).unsqueeze(1)  # rows of very different sizes
     block = {"block": (16, 8), "huge-block": (10**6, 10**6)}.get(granularity)

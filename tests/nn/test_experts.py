@@ -659,7 +659,7 @@ def test_loading_an_moe_checkpoint_peaks_near_its_size(tmp_path, rss_reader):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"checkpoint {size / 1e6:.1f} MB, load peak +{figures['load_peak'] / 1e6:.1f} MB")
-    assert figures["load_peak"] <= 1.5 * size + 8e6  # 1.09x here; stacking every fused weight first: 3.0x
+    assert figures["load_peak"] <= 1.5 * size + 8e6  # about 1.1x; stacking every fused weight first would be 3x
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])

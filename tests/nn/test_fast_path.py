@@ -1,21 +1,16 @@
 """The QLinear fast path: ``forward`` is the kernel op call and nothing else.
 
-DESIGN.md: ``QLinear.forward`` calls the kernel op with plain tensors, with
+docs/design.md: ``QLinear.forward`` calls the kernel op with plain tensors, with
 no Python work per call beyond what ``nn.Linear`` does. Checked three ways:
 the output is the bare op's, bit for bit; a profiler sees no Python call in
 the call but the op; and on SmolLM2-135M's layer shapes at M = 1 a QLinear
 call costs little more than the bare op call (median, interleaved: the
 fast-path table of ``bench/decode.py``).
-Over a SmolLM2 decoder layer's projections QLinear measured 1.04-1.05x the
-bare ``OpOverload`` call once ``QLinear.__call__`` skipped
-``nn.Module.__call__`` and decided whether it may when its state changes
-rather than on every call (1.15-1.17x with nn.Module.__call__, 1.04-1.08x
-checking every hook dict per call); per shape 1.02-1.08x, the smallest
-(576 -> 192) the highest. With the CPU kernel's eager entry
-(``qfp8._C.scaled_linear_cpu_eager``, which parses its own arguments) a
-QLinear call costs less than the bare ``OpOverload`` call: 0.73-0.89x per
-shape, 0.85x over the layer. The test
-guards at 1.20x: timing inside the suite runs a few percent higher, and a
+``QLinear.__call__`` skips ``nn.Module.__call__`` and decides whether it may
+when its state changes rather than on every call, and calls the CPU kernel's
+eager entry (``qfp8._C.scaled_linear_cpu_eager``, which parses its own
+arguments), so a QLinear call costs less than the bare ``OpOverload`` call
+(docs/design.md has the figures). The test guards at 1.20x: timing inside the suite runs a few percent higher, and a
 timing failure must mean a regression (a microsecond more per call), not
 noise. Every route that replaces a tensor, adds a hook or wraps ``forward``
 is tested below.

@@ -290,7 +290,7 @@ def test_held_out_attention_logit_error_shrinks(base_model):
     prompt = _tokens(20)  # not seen in calibration
     compensated = _key_logit_error(model, prompt, compensate=True)
     nearest = _key_logit_error(model, prompt, compensate=False)
-    # measured 0.39 on this model (SmolLM2: bench/kv_cache.py, README)
+    # 0.39 on this model (SmolLM2: docs/kv-cache.md)
     assert compensated < 0.6 * nearest, (compensated, nearest)
 
 

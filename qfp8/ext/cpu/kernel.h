@@ -91,10 +91,9 @@ void* huge_page_alloc(size_t nbytes);
 // converted): huge_page_alloc's, taken from and given back to a per-thread
 // cache of freed buffers (ops.cpp), not initialized. A fresh buffer of tens
 // of MB costs its page faults on every call, and after other large
-// allocations and frees far more: a 2048 x 14336 call's 58 MB of laid-out
-// activations took 93-188 ms to prepare right after an fp32 F.linear of the
-// same x, against 16 ms (Zen 5, with transparent huge pages on madvise,
-// whose faults then compact memory first). Null `get()` when it cannot be had.
+// allocations and frees far more (with transparent huge pages on madvise,
+// those faults compact memory first; see docs/cpu-kernels.md). Null `get()`
+// when it cannot be had.
 void* scratch_alloc(size_t nbytes, size_t* capacity);
 void scratch_free(void* data, size_t capacity);
 

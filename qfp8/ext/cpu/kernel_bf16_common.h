@@ -76,9 +76,8 @@ inline int lane_channel(int j, int i) { return 8 * (i / 4) + 4 * j + i % 4; }
 
 // Block scales of the tile's channels at column k, in register lane order:
 // one load when bn is a multiple of 32, else two divisions and a running
-// block row. Two divisions per channel (64 a call) had made block scales at
-// M = 4 take 1.6x the time of channel scales (amx, 4096 x 4096, 128 x 128
-// blocks).
+// block row (not two divisions per channel, which cost more than the
+// small-M products they scale).
 inline void lane_block_scales(const LinearProblem& p, int64_t tile, int64_t k, __m512& s0, __m512& s1) {
   if (p.bn % kTileN == 0) {  // the tile's channels (and N - 1, where they stop) lie in one block row
     s0 = s1 = _mm512_set1_ps(p.scale[(tile * kTileN / p.bn) * p.scale_cols + k / p.bk]);
