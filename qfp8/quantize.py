@@ -17,6 +17,7 @@ from torch.nn.utils.weight_norm import WeightNorm  # the hook class (torch.nn.ut
 from qfp8 import formats, rounding
 from qfp8.library import memory
 from qfp8.nn import QLinear, QuantizationScheme
+from qfp8.nn.conv import convolution_reason, is_convolution, quantize_convolution
 from qfp8.nn.embedding import QEmbedding, untieable_reason
 from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_fp8_experts
 from qfp8.nn.qlinear import TRANSFORMERS_SAVE_REFUSED
@@ -513,6 +514,7 @@ def quantize(
         entry.quantized = not entry.reason
         planned[id(module)] = entry
         report.entries.append(entry)
+    linear_names += _plan_convolutions(model, exclude, accuracy, planned, report)
     experts = []  # (entry, FusedExperts): the fused MoE experts weights
     for item in find_fused_experts(model):
         count, out_features, in_features = item.module._parameters[item.attr].shape
@@ -573,6 +575,7 @@ def quantize(
     if user_patterns:
         notes += unmatched_exclude_notes(exclude, linear_names, type(model).__name__, "quantize")
     quantized_experts = {id(item.module._parameters[item.attr]) for entry, item in experts if entry.quantized}
+    quantized_experts |= {id(modules[e.name].weight) for e in report.quantized if is_convolution(modules.get(e.name))}
     _find_other_weights(model, report, quantized_experts)
     on_meta = [e.name for e in report.entries if e.reason == META_REASON]
     if on_meta and len(on_meta) < len(report.entries):
@@ -621,7 +624,10 @@ def quantize(
         # Popped, not read: once swapped in, nothing here holds the float
         # Linear, so the model peaks at one layer above its float size.
         linear = modules.pop(entry.name)
-        qlinear = QLinear.from_linear(linear, scheme, entry.name, accuracy=accuracy)
+        if is_convolution(linear):
+            qlinear = quantize_convolution(linear, scheme, entry.name, accuracy)
+        else:
+            qlinear = QLinear.from_linear(linear, scheme, entry.name, accuracy=accuracy)
         _carry_hooks(linear, qlinear, entry.name)
         entry.scheme = scheme.describe() + (f" accuracy-{accuracy}" if accuracy else "")
         entry.kernel = qlinear.packing
@@ -652,6 +658,26 @@ def quantize(
     # quantized model's size.
     memory.return_freed_memory()
     return QuantizeResult(outer, report)
+
+
+def _plan_convolutions(model: nn.Module, exclude, accuracy, planned: dict, report: QuantizeReport) -> list[str]:
+    """Report entries for the model's ``nn.Conv1d`` / ``nn.Conv2d`` (quantized as QConv1d / QConv2d, see
+    qfp8/nn/conv.py, unless a reason keeps one float); returns their names."""
+    names = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not is_convolution(module):
+            continue
+        names.append(name)
+        if id(module) in planned:
+            planned[id(module)].aliases.append(name)
+            continue
+        entry = ReportEntry(name, module.weight[0].numel(), module.weight.shape[0], quantized=False)
+        pattern = excluded_by(name, exclude)
+        entry.reason = f"excluded by pattern {pattern!r}" if pattern else convolution_reason(model, module, accuracy)
+        entry.quantized = not entry.reason
+        planned[id(module)] = entry
+        report.entries.append(entry)
+    return names
 
 
 def _attention_implementation(model: nn.Module) -> str | None:
