@@ -17,7 +17,7 @@ from torch.nn.utils.weight_norm import WeightNorm  # the hook class (torch.nn.ut
 from qfp8 import formats, rounding
 from qfp8.library import memory
 from qfp8.nn import QLinear, QuantizationScheme
-from qfp8.nn.conv import convolution_reason, is_convolution, quantize_convolution
+from qfp8.nn.conv import convolution_reason, is_convolution, quantize_convolution, quantizes_convolutions
 from qfp8.nn.embedding import QEmbedding, untieable_reason
 from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_fp8_experts
 from qfp8.nn.qlinear import TRANSFORMERS_SAVE_REFUSED
@@ -575,7 +575,7 @@ def quantize(
     if user_patterns:
         notes += unmatched_exclude_notes(exclude, linear_names, type(model).__name__, "quantize")
     quantized_experts = {id(item.module._parameters[item.attr]) for entry, item in experts if entry.quantized}
-    quantized_experts |= {id(modules[e.name].weight) for e in report.quantized if is_convolution(modules.get(e.name))}
+    quantized_experts |= {id(modules[e.name].weight) for e in report.entries if is_convolution(modules.get(e.name))}
     _find_other_weights(model, report, quantized_experts)
     on_meta = [e.name for e in report.entries if e.reason == META_REASON]
     if on_meta and len(on_meta) < len(report.entries):
@@ -664,6 +664,8 @@ def _plan_convolutions(model: nn.Module, exclude, accuracy, planned: dict, repor
     """Report entries for the model's ``nn.Conv1d`` / ``nn.Conv2d`` (quantized as QConv1d / QConv2d, see
     qfp8/nn/conv.py, unless a reason keeps one float); returns their names."""
     names = []
+    if not quantizes_convolutions(model):
+        return names
     for name, module in model.named_modules(remove_duplicate=False):
         if not is_convolution(module):
             continue
@@ -673,7 +675,7 @@ def _plan_convolutions(model: nn.Module, exclude, accuracy, planned: dict, repor
             continue
         entry = ReportEntry(name, module.weight[0].numel(), module.weight.shape[0], quantized=False)
         pattern = excluded_by(name, exclude)
-        entry.reason = f"excluded by pattern {pattern!r}" if pattern else convolution_reason(model, module, accuracy)
+        entry.reason = f"excluded by pattern {pattern!r}" if pattern else convolution_reason(module, accuracy)
         entry.quantized = not entry.reason
         planned[id(module)] = entry
         report.entries.append(entry)

@@ -419,22 +419,16 @@ def linear_from_conv1d(module: nn.Module, scheme: QuantizationScheme, name: str 
     return QLinear.from_weight(weight.t(), module.bias, scheme, name or repr(module), accuracy, label=name or None)
 
 
-TRANSFORMERS_REASON = (
-    "a convolution of a transformers model (a vision or audio front end): transformers and vLLM load those in "
-    "float only, so qfp8 keeps it float for its checkpoints to load there"
-)
-
-
-def _is_transformers_model(model: nn.Module) -> bool:
-    return any(
+def quantizes_convolutions(model: nn.Module) -> bool:
+    """Whether ``quantize`` takes the convolutions of ``model``: not those of a transformers model (a vision or
+    audio front end), which transformers and vLLM load in float only, so that its checkpoints still load there."""
+    return not any(
         cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(model).__mro__
     )
 
 
-def convolution_reason(model: nn.Module, module: nn.Module, accuracy: str | None) -> str:
-    """Why ``quantize`` keeps the convolution ``module`` of ``model`` in float ("" when it quantizes it)."""
-    if _is_transformers_model(model):
-        return TRANSFORMERS_REASON
+def convolution_reason(module: nn.Module, accuracy: str | None) -> str:
+    """Why ``quantize`` keeps the convolution ``module`` in float ("" when it quantizes it)."""
     if accuracy is not None and module.groups > 1:
         return f"accuracy={accuracy!r} needs groups=1 (this convolution has groups={module.groups})"
     return convolution_class_reason(module) or ""
