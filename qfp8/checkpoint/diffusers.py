@@ -52,8 +52,11 @@ def model_config_dict(model: nn.Module) -> dict | None:
 
 
 def with_subfolder(path: str | os.PathLike, subfolder: str | None) -> str | os.PathLike:
-    """``path``'s ``subfolder`` (a pipeline's ``unet``, ``transformer``), resolved (a Hub repo id too) and checked."""
+    """``path``'s ``subfolder`` (a pipeline's ``unet``, ``transformer``), resolved (a Hub repo id too) and checked;
+    without one, a local pipeline folder is refused with the names of its models' subfolders."""
     if not subfolder:
+        if Path(path).is_dir():
+            check_pipeline_folder(Path(path))
         return path
     if not isinstance(subfolder, (str, os.PathLike)):
         raise TypeError(f"from_pretrained: subfolder must be a str, got {type(subfolder).__name__}")

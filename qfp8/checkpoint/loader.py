@@ -808,7 +808,6 @@ def from_pretrained(
 
     device = _usable_device(device)
     checkpoint = open_checkpoint(diffusers_checkpoint.with_subfolder(path, subfolder))
-    diffusers_checkpoint.check_pipeline_folder(checkpoint.directory)
     plan = checkpoint.plan()
     if plan.format == "float":
         raise ValueError(
