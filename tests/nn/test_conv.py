@@ -226,3 +226,20 @@ def test_bad_input_and_arguments_name_the_layer():
         quantize_convolution(bad, QuantizationScheme(), "bad")
     with pytest.raises(TypeError, match="nn.Conv1d or nn.Conv2d"):
         quantize_convolution(nn.ConvTranspose2d(2, 2, 3), QuantizationScheme())
+
+
+@pytest.mark.parametrize("accuracy", ["scale", "gptq"])
+def test_accuracy_modes_lower_the_error_on_calibration_data(accuracy):
+    conv = nn.Conv2d(8, 16, 3, padding=1)
+    x = torch.randn(8, 8, 12, 12) * torch.linspace(0.1, 3, 8).reshape(1, 8, 1, 1)  # uneven input channels
+    expected = conv.double()(x.double())
+    nearest = nn.Sequential(copy.deepcopy(conv).float())
+    qfp8.quantize(nearest)
+    chosen = nn.Sequential(copy.deepcopy(conv).float())
+    qfp8.quantize(chosen, accuracy=accuracy)
+    with qfp8.calibrate(chosen):
+        chosen(x)
+    qfp8.freeze(chosen)
+    assert not chosen[0].accuracy_pending
+    # The weights chosen for these inputs give a smaller output error than round-to-nearest ones.
+    assert sqnr(expected, chosen(x).double()) > sqnr(expected, nearest(x).double()) + 0.2
