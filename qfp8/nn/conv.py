@@ -232,21 +232,16 @@ class QConvNd(QLinear):
         return sizes
 
     def _patches(self, padded: torch.Tensor, out: list[int], first: int, channels: int) -> torch.Tensor:
-        """The ``[M, K]`` patch matrix of channels ``first .. first + channels`` of ``padded`` ``[B, *S, C]``."""
-        strides = padded.stride()
-        spatial = strides[1:-1]
-        step = [st * s for st, s in zip(spatial, self.stride, strict=True)]
-        reach = [st * d for st, d in zip(spatial, self.dilation, strict=True)]
-        offset = padded.storage_offset() + first * strides[-1]
-        batch = padded.shape[0]
+        """The ``[M, K]`` patch matrix of channels ``first .. first + channels`` of ``padded`` ``[B, *S, C]``.
+
+        Views (``Tensor.unfold`` per spatial dimension: windows of the dilated kernel's span, every ``dilation``-th
+        element kept) and one copy, the final reshape."""
+        windows = padded[..., first : first + channels]
+        for axis, (k, s, d) in enumerate(zip(self.kernel_size, self.stride, self.dilation, strict=True)):
+            windows = windows.unfold(1 + axis, d * (k - 1) + 1, s)[..., ::d]  # [B, *out, C, *kernel] at the end
         if self.channels_last_patches:
-            shape = (batch, *out, *self.kernel_size, channels)
-            view_strides = (strides[0], *step, *reach, strides[-1])
-        else:
-            shape = (batch, *out, channels, *self.kernel_size)
-            view_strides = (strides[0], *step, strides[-1], *reach)
-        view = padded.as_strided(shape, view_strides, offset)
-        return view.reshape(batch * math.prod(out), channels * math.prod(self.kernel_size))
+            windows = windows.movedim(1 + self.dims, -1)  # [B, *out, *kernel, C]
+        return windows.reshape(padded.shape[0] * math.prod(out), channels * math.prod(self.kernel_size))
 
     # ------------------------------------------------------------ forward
     def _name(self) -> str:

@@ -243,3 +243,16 @@ def test_accuracy_modes_lower_the_error_on_calibration_data(accuracy):
     assert not chosen[0].accuracy_pending
     # The weights chosen for these inputs give a smaller output error than round-to-nearest ones.
     assert sqnr(expected, chosen(x).double()) > sqnr(expected, nearest(x).double()) + 0.2
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    model = nn.Sequential(
+        nn.Conv2d(4, 8, 3, padding=1),
+        nn.SiLU(),
+        nn.Conv2d(8, 8, 1),
+        nn.Conv2d(8, 8, 3, groups=2, padding=1, padding_mode="reflect"),
+    )
+    qfp8.quantize(model)
+    x = torch.randn(2, 4, 8, 8)
+    assert torch.equal(torch.compile(model, fullgraph=True)(x), model(x))
