@@ -16,6 +16,7 @@ from torch.nn.utils.weight_norm import WeightNorm  # the hook class (torch.nn.ut
 
 from qfp8 import formats, rounding
 from qfp8.library import memory
+from qfp8.library.routing import REFERENCE_KERNEL
 from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.nn.conv import convolution_reason, is_convolution, quantize_convolution, quantizes_convolutions
 from qfp8.nn.embedding import QEmbedding, untieable_reason
@@ -102,7 +103,7 @@ class QuantizeReport:
                 e.name + (f" (= {', '.join(e.aliases)})" if e.aliases else ""),
                 (f"{e.experts} x " if e.experts else "") + f"[{e.out_features}, {e.in_features}]",
                 "quantized" if e.quantized else "skipped",
-                e.scheme if e.quantized else e.reason,
+                e.scheme + (f" ({e.reason})" if e.reason else "") if e.quantized else e.reason,
                 e.kernel,
             )
             for e in self.entries
@@ -631,6 +632,8 @@ def quantize(
         _carry_hooks(linear, qlinear, entry.name)
         entry.scheme = scheme.describe() + (f" accuracy-{accuracy}" if accuracy else "")
         entry.kernel = qlinear.packing
+        if is_convolution(linear) and qlinear.packing == REFERENCE_KERNEL.name:
+            entry.reason = "; ".join(qlinear.kernel_notes)  # why a quantized convolution takes the reference route
         for name in [entry.name, *entry.aliases]:
             modules.pop(name, None)
             _set_submodule(model, name, qlinear)

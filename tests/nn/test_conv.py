@@ -170,7 +170,8 @@ def test_quantize_takes_convolutions_and_reports_them():
     _, report = qfp8.quantize(model, exclude=["3"])
     by_name = {entry.name: entry for entry in report.entries}
     assert by_name["0"].quantized and by_name["0"].in_features == 27 and by_name["0"].kernel.startswith("cpu")
-    assert by_name["2"].quantized and by_name["2"].kernel == "reference"
+    assert by_name["2"].quantized and by_name["2"].kernel == "reference" and "groups=2" in by_name["2"].reason
+    assert "groups=2: the FP8 kernels run one matrix per layer" in str(report)
     assert not by_name["3"].quantized and "excluded" in by_name["3"].reason
     assert isinstance(model[0], QConv2d) and isinstance(model[3], nn.Conv2d)
     assert not report.others  # convolutions have report entries, quantized or not
