@@ -9,7 +9,7 @@ medians and the ratio bf16 time / qfp8 time (above 1: qfp8 is faster):
   own input was channels-last).
 - ``unet``: a ``UNet2DConditionModel`` built from a config (random weights),
   its whole forward in bf16 against the same model after ``qfp8.quantize``
-  (every Linear and Conv2d FP8, W8A16).
+  (every Linear and Conv2d FP8, W8A16), and the bytes of their state dicts.
 
     python bench/unet.py                       # medium UNet, 1 thread
     python bench/unet.py --quick --json out.json   # CI: tiny shapes, seconds
@@ -127,6 +127,10 @@ def unet_row(size: str, rounds: int) -> dict:
     medians = interleaved(
         {"bf16": lambda: model(sample, timestep, context), "qfp8": lambda: quantized(sample, timestep, context)}, rounds
     )
+    weights_mb = {
+        name: sum(t.numel() * t.element_size() for t in m.state_dict().values()) / 2**20
+        for name, m in (("bf16", model), ("qfp8", quantized))
+    }
     convolutions = sum(1 for e in report.quantized if "conv" in type(quantized.get_submodule(e.name)).__name__.lower())
     return {
         "unet": size,
@@ -138,6 +142,8 @@ def unet_row(size: str, rounds: int) -> dict:
         "bf16_ms": medians["bf16"] * 1e3,
         "qfp8_ms": medians["qfp8"] * 1e3,
         "ratio": medians["bf16"] / medians["qfp8"],
+        "bf16_weights_mb": weights_mb["bf16"],
+        "qfp8_weights_mb": weights_mb["qfp8"],
     }
 
 
@@ -186,7 +192,8 @@ def main(argv=None) -> dict:
     print(
         f"UNet2DConditionModel ({unet['unet']}, {unet['quantized_layers']} FP8 layers, "
         f"{unet['quantized_convolutions']} of them convolutions): bf16 {unet['bf16_ms']:.1f} ms, "
-        f"qfp8 {unet['qfp8_ms']:.1f} ms, ratio {unet['ratio']:.2f}, SQNR {unet['sqnr_db']:.1f} dB"
+        f"qfp8 {unet['qfp8_ms']:.1f} ms, ratio {unet['ratio']:.2f}, SQNR {unet['sqnr_db']:.1f} dB; weights "
+        f"{unet['bf16_weights_mb']:.1f} MB bf16, {unet['qfp8_weights_mb']:.1f} MB qfp8"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

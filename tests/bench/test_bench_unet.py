@@ -34,4 +34,5 @@ def test_bench_unet_quick_writes_rows_and_provenance(tmp_path):
     assert unet["quantized_convolutions"] > 10 and unet["skipped_layers"] == 0
     assert unet["sqnr_db"] > 15  # FP8 weights through the whole UNet, random weights
     assert unet["ratio"] == pytest.approx(unet["bf16_ms"] / unet["qfp8_ms"])
+    assert unet["qfp8_weights_mb"] < 0.7 * unet["bf16_weights_mb"]  # FP8 matrices: about half the bytes
     assert "UNet2DConditionModel (tiny" in result.stdout
