@@ -672,6 +672,11 @@ def _plan_convolutions(model: nn.Module, exclude, accuracy, planned: dict, repor
     for name, module in model.named_modules(remove_duplicate=False):
         if not is_convolution(module):
             continue
+        if not name:
+            raise ValueError(
+                f"quantize: the model is itself a convolution ({type(module).__name__}), which cannot be replaced in place; wrap "
+                "it, quantize the wrapper and take the layer back: qfp8.quantize(nn.Sequential(conv))[0][0]"
+            )
         names.append(name)
         if id(module) in planned:
             planned[id(module)].aliases.append(name)

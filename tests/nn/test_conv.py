@@ -225,6 +225,8 @@ def test_bad_input_and_arguments_name_the_layer():
         bad.weight[0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         quantize_convolution(bad, QuantizationScheme(), "bad")
+    with pytest.raises(ValueError, match=r"the model is itself a convolution \(Conv2d\)"):
+        qfp8.quantize(nn.Conv2d(2, 2, 3))
     with pytest.raises(TypeError, match="nn.Conv1d or nn.Conv2d"):
         quantize_convolution(nn.ConvTranspose2d(2, 2, 3), QuantizationScheme())
 
