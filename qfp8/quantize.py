@@ -674,8 +674,8 @@ def _plan_convolutions(model: nn.Module, exclude, accuracy, planned: dict, repor
             continue
         if not name:
             raise ValueError(
-                f"quantize: the model is itself a convolution ({type(module).__name__}), which cannot be replaced in place; wrap "
-                "it, quantize the wrapper and take the layer back: qfp8.quantize(nn.Sequential(conv))[0][0]"
+                f"quantize: the model is itself a convolution ({type(module).__name__}), which cannot be replaced in "
+                "place; wrap it, quantize the wrapper and take the layer back: qfp8.quantize(nn.Sequential(conv))[0][0]"
             )
         names.append(name)
         if id(module) in planned:
