@@ -270,9 +270,10 @@ class QConvNd(QLinear):
         padded = self._channels_last_input(x.unsqueeze(0) if unbatched else x)
         out = self._output_sizes(padded)
         if min(out) < 1:
+            span = [d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation, strict=True)]
             raise ValueError(
                 f"{self._name()}: the input {tuple(x.shape)} (padded: {tuple(padded.shape[1:-1])}) is smaller than "
-                f"the dilated kernel ({[d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation, strict=True)]})"
+                f"the dilated kernel ({span})"
             )
         if self.groups > 1:
             y = self._grouped(padded, out, x.dtype)

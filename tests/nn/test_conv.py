@@ -141,8 +141,10 @@ def test_state_dict_round_trip(scheme):
     state = q.state_dict()
     # Saved as compressed-tensors' 2-D weight: PyTorch's flattening of the convolution's weight.
     assert state["weight"].shape == (20, 6 * 3 * 2) and state["weight"].dtype == torch.float8_e4m3fn
-    reference = formats.quantize_weight(conv.weight.detach().reshape(20, -1), torch.float8_e4m3fn, q.scheme.weight_scale,
-                                        q.scheme.block_size or None)[0]  # fmt: skip
+    flat = conv.weight.detach().reshape(20, -1)
+    reference = formats.quantize_weight(flat, torch.float8_e4m3fn, q.scheme.weight_scale, q.scheme.block_size or None)[
+        0
+    ]
     assert torch.equal(state["weight"].view(torch.uint8), reference.view(torch.uint8))
     fresh = quantize_convolution(nn.Conv2d(6, 20, (3, 2), padding=1), SCHEMES[scheme], "fresh")
     fresh.load_state_dict(state)
