@@ -31,7 +31,7 @@ from qfp8.checkpoint.safetensors_io import SafetensorsFile
 from qfp8.library import memory
 from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.nn.attention import use_packed_sdpa
-from qfp8.nn.conv import conv_skeleton, is_convolution
+from qfp8.nn.conv import conv_skeleton
 from qfp8.nn.embedding import QEmbedding, is_plain_embedding
 from qfp8.nn.experts import QExperts, find_fused_experts, use_fp8_experts
 from qfp8.nn.qlinear import state_spec
@@ -235,10 +235,10 @@ def build_skeleton(model: nn.Module, schemes: dict[str, QuantizationScheme]) -> 
             raise ValueError(f"the checkpoint quantizes module {name!r}, which the model does not have") from None
         if isinstance(module, QLinear):
             continue  # an alias already replaced
-        if is_convolution(module):
-            qconv = conv_skeleton(module, scheme, name)
+        skeleton = conv_skeleton(module, scheme, name)  # a convolution's (or GPT-2's Conv1D's), else None
+        if skeleton is not None:
             for alias in aliases[id(module)]:
-                _set_submodule(model, alias, qconv)
+                _set_submodule(model, alias, skeleton)
             continue
         if not isinstance(module, nn.Linear):
             raise ValueError(

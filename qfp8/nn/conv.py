@@ -392,26 +392,39 @@ def quantize_convolution(
     raise TypeError(f"quantize_convolution takes an nn.Conv1d or nn.Conv2d, got {type(conv).__name__}")
 
 
-def conv_skeleton(conv: nn.Module, scheme: QuantizationScheme, name: str) -> QConvNd:
-    """A meta-device QConv1d / QConv2d shaped as ``conv``, for a checkpoint's state to be assigned to."""
-    qclass = next(q for base, q in QCONV_CLASSES.items() if isinstance(conv, base))
-    module = qclass(
-        conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-        conv.groups, conv.bias is not None, conv.padding_mode, scheme, conv.weight.dtype, torch.device("meta"),
-    )  # fmt: skip
-    module.label = name
+def is_transformers_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's linear layers, weight ``[in, out]``), which is no convolution."""
+    return any(cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__)
+
+
+def conv_skeleton(module: nn.Module, scheme: QuantizationScheme, name: str) -> QLinear | None:
+    """A meta-device QConv1d / QConv2d shaped as the convolution ``module`` (a QLinear for transformers'
+    ``Conv1D``), for a checkpoint's state to be assigned to; None for any other module."""
+    if is_transformers_conv1d(module):
+        in_features, out_features = module.weight.shape
+        skeleton = QLinear(in_features, out_features, module.bias is not None, scheme, module.weight.dtype, "meta")
+    elif is_convolution(module):
+        qclass = next(q for base, q in QCONV_CLASSES.items() if isinstance(module, base))
+        skeleton = qclass(
+            module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
+            module.dilation, module.groups, module.bias is not None, module.padding_mode, scheme, module.weight.dtype,
+            torch.device("meta"),
+        )  # fmt: skip
+    else:
+        return None
+    skeleton.label = name
     if scheme.activations == "static":
-        module.input_scale = torch.ones(1, device="meta")  # a slot for the stored scale
-    return module
+        skeleton.input_scale = torch.ones(1, device="meta")  # a slot for the stored scale
+    return skeleton
 
 
 def linear_from_conv1d(module: nn.Module, scheme: QuantizationScheme, name: str = "", accuracy=None) -> QLinear:
     """A QLinear computing transformers' ``Conv1D`` (GPT-2's layers: ``x @ weight + bias``, weight ``[in, out]``).
 
     The QLinear holds the weight transposed, ``[out, in]``, as every linear layer of qfp8 stores it."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or getattr(module, "nf", None) != weight.shape[1]:
+    if not is_transformers_conv1d(module):
         raise TypeError(f"linear_from_conv1d takes transformers' Conv1D, got {type(module).__name__}")
+    weight = module.weight
     return QLinear.from_weight(weight.t(), module.bias, scheme, name or repr(module), accuracy, label=name or None)
 
 

@@ -261,3 +261,23 @@ def test_torch_compile_fullgraph_matches_eager():
     qfp8.quantize(model)
     x = torch.randn(2, 4, 8, 8)
     assert torch.equal(torch.compile(model, fullgraph=True)(x), model(x))
+
+
+@torch.no_grad()
+def test_gpt2_conv1d_layers_as_linears_save_and_reload(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="GPT-2 is a transformers model")
+    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 96, (1, 12))
+    expected = model(ids).logits
+    scheme = QuantizationScheme()
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ == "Conv1D":
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, linear_from_conv1d(module, scheme, name))
+    out = model(ids).logits
+    assert sqnr(expected.double(), out.double()) > 20
+    qfp8.save_pretrained(model, tmp_path)
+    loaded = qfp8.from_pretrained(tmp_path)
+    assert type(loaded.transformer.h[0].attn.c_attn).__name__ == "QLinear"
+    assert torch.equal(loaded(ids).logits, out)
