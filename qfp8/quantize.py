@@ -16,7 +16,9 @@ from torch.nn.utils.weight_norm import WeightNorm  # the hook class (torch.nn.ut
 
 from qfp8 import formats, rounding
 from qfp8.library import memory
+from qfp8.library.routing import REFERENCE_KERNEL
 from qfp8.nn import QLinear, QuantizationScheme
+from qfp8.nn.conv import convolution_reason, is_convolution, quantize_convolution, quantizes_convolutions
 from qfp8.nn.embedding import QEmbedding, untieable_reason
 from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_fp8_experts
 from qfp8.nn.qlinear import TRANSFORMERS_SAVE_REFUSED
@@ -134,7 +136,7 @@ class QuantizeReport:
                 e.name + (f" (= {', '.join(e.aliases)})" if e.aliases else ""),
                 (f"{e.experts} x " if e.experts else "") + f"[{e.out_features}, {e.in_features}]",
                 "quantized" if e.quantized else "skipped",
-                e.scheme if e.quantized else e.reason,
+                e.scheme + (f" ({e.reason})" if e.reason else "") if e.quantized else e.reason,
                 e.kernel,
             )
             for e in self.entries
@@ -546,6 +548,7 @@ def quantize(
         entry.quantized = not entry.reason
         planned[id(module)] = entry
         report.entries.append(entry)
+    linear_names += _plan_convolutions(model, exclude, accuracy, planned, report)
     experts = []  # (entry, FusedExperts): the fused MoE experts weights
     for item in find_fused_experts(model):
         count, out_features, in_features = item.module._parameters[item.attr].shape
@@ -606,6 +609,7 @@ def quantize(
     if user_patterns:
         notes += unmatched_exclude_notes(exclude, linear_names, type(model).__name__, "quantize")
     quantized_experts = {id(item.module._parameters[item.attr]) for entry, item in experts if entry.quantized}
+    quantized_experts |= {id(modules[e.name].weight) for e in report.entries if is_convolution(modules.get(e.name))}
     _find_other_weights(model, report, quantized_experts)
     on_meta = [e.name for e in report.entries if e.reason == META_REASON]
     if on_meta and len(on_meta) < len(report.entries):
@@ -654,10 +658,15 @@ def quantize(
         # Popped, not read: once swapped in, nothing here holds the float
         # Linear, so the model peaks at one layer above its float size.
         linear = modules.pop(entry.name)
-        qlinear = QLinear.from_linear(linear, scheme, entry.name, accuracy=accuracy)
+        if is_convolution(linear):
+            qlinear = quantize_convolution(linear, scheme, entry.name, accuracy)
+        else:
+            qlinear = QLinear.from_linear(linear, scheme, entry.name, accuracy=accuracy)
         _carry_hooks(linear, qlinear, entry.name)
         entry.scheme = scheme.describe() + (f" accuracy-{accuracy}" if accuracy else "")
         entry.kernel = qlinear.packing
+        if is_convolution(linear) and qlinear.packing == REFERENCE_KERNEL.name:
+            entry.reason = "; ".join(qlinear.kernel_notes)  # why a quantized convolution takes the reference route
         for name in [entry.name, *entry.aliases]:
             modules.pop(name, None)
             _set_submodule(model, name, qlinear)
@@ -684,6 +693,33 @@ def quantize(
     # glibc keeps freed heap memory (for a bf16 model, tens to hundreds of MB above the quantized model).
     memory.return_freed_memory()
     return QuantizeResult(outer, report)
+
+
+def _plan_convolutions(model: nn.Module, exclude, accuracy, planned: dict, report: QuantizeReport) -> list[str]:
+    """Report entries for the model's ``nn.Conv1d`` / ``nn.Conv2d`` (quantized as QConv1d / QConv2d, see
+    qfp8/nn/conv.py, unless a reason keeps one float); returns their names."""
+    names = []
+    if not quantizes_convolutions(model):
+        return names
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not is_convolution(module):
+            continue
+        if not name:
+            raise ValueError(
+                f"quantize: the model is itself a convolution ({type(module).__name__}), which cannot be replaced in "
+                "place; wrap it, quantize the wrapper and take the layer back: qfp8.quantize(nn.Sequential(conv))[0][0]"
+            )
+        names.append(name)
+        if id(module) in planned:
+            planned[id(module)].aliases.append(name)
+            continue
+        entry = ReportEntry(name, module.weight[0].numel(), module.weight.shape[0], quantized=False)
+        pattern = excluded_by(name, exclude)
+        entry.reason = f"excluded by pattern {pattern!r}" if pattern else convolution_reason(module, accuracy)
+        entry.quantized = not entry.reason
+        planned[id(module)] = entry
+        report.entries.append(entry)
+    return names
 
 
 def _attention_implementation(model: nn.Module) -> str | None:

@@ -31,6 +31,7 @@ from qfp8.checkpoint.safetensors_io import SafetensorsFile
 from qfp8.library import memory
 from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.nn.attention import use_packed_sdpa
+from qfp8.nn.conv import conv_skeleton
 from qfp8.nn.embedding import QEmbedding, is_plain_embedding
 from qfp8.nn.experts import QExperts, find_fused_experts, use_fp8_experts
 from qfp8.nn.qlinear import state_spec
@@ -250,10 +251,15 @@ def build_skeleton(model: nn.Module, schemes: dict[str, QuantizationScheme]) -> 
             raise ValueError(f"the checkpoint quantizes module {name!r}, which the model does not have") from None
         if isinstance(module, QLinear):
             continue  # an alias already replaced
+        skeleton = conv_skeleton(module, scheme, name)  # a convolution's (or GPT-2's Conv1D's), else None
+        if skeleton is not None:
+            for alias in aliases[id(module)]:
+                _set_submodule(model, alias, skeleton)
+            continue
         if not isinstance(module, nn.Linear):
             raise ValueError(
                 f"the checkpoint quantizes module {name!r}, but the model's module is {type(module).__name__}, "
-                "not nn.Linear"
+                "not nn.Linear (nor nn.Conv1d / nn.Conv2d)"
             )
         qlinear = QLinear(
             module.in_features,
@@ -800,26 +806,32 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     *,
     torch_dtype: torch.dtype | None = None,
+    subfolder: str | None = None,
 ):
     """Loads a quantized checkpoint (qfp8's, compressed-tensors, vLLM/AutoFP8 ``fp8``, block ``fp8``, quanto).
 
     ``path`` is a folder or a Hub repo id (resolved through ``huggingface_hub``,
     ``HF_HUB_OFFLINE`` honoured). ``dtype`` is the dtype of the model's float
     computation (default: the config's ``torch_dtype``); ``torch_dtype`` is
-    another name for it, as transformers' ``from_pretrained`` takes both.
+    another name for it, as transformers' ``from_pretrained`` takes both. ``subfolder``: the folder of the model
+    inside ``path`` (a diffusers pipeline's ``unet``, ``transformer``; see qfp8/checkpoint/diffusers.py).
     """
     if torch_dtype is not None:
         if dtype is not None:
             raise TypeError("from_pretrained: give dtype or torch_dtype, not both (they are one argument)")
         dtype = torch_dtype
+    from qfp8.checkpoint import diffusers as diffusers_checkpoint
+
     device = _usable_device(device)
-    checkpoint = open_checkpoint(path)
+    checkpoint = open_checkpoint(diffusers_checkpoint.with_subfolder(path, subfolder))
     plan = checkpoint.plan()
     if plan.format == "float":
         raise ValueError(
             f"{checkpoint.directory}: config.json has no quantization_config (a float checkpoint); quantize it "
             "with `qfp8 quantize SRC DST` or qfp8.quantize(model)"
         )
+    if diffusers_checkpoint.is_diffusers_config(checkpoint.config):
+        return diffusers_checkpoint.load(checkpoint, plan, device, dtype)
     try:
         import transformers
     except ImportError as error:

@@ -35,6 +35,7 @@ from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames, split_rows
 from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, PlannedTensor, write_safetensors
 from qfp8.library import memory
 from qfp8.nn import QLinear
+from qfp8.nn.conv import QConvNd
 from qfp8.nn.embedding import QEmbedding
 from qfp8.nn.experts import QExperts, find_fused_experts
 from qfp8.quantize import check_calibrated, unwrapped
@@ -195,7 +196,7 @@ def plan_model_tensors(model: nn.Module) -> list[PlannedTensor]:
                     names.to_checkpoint(prefix + "weight"),
                     module.scheme.weight_dtype,
                     (module.out_features, module.in_features),
-                    module.canonical_weight,
+                    module.stored_weight if isinstance(module, QConvNd) else module.canonical_weight,
                 )
             )
             extra = {"weight_scale": module.weight_scale, "input_scale": module.input_scale, "bias": module.bias}
@@ -434,6 +435,10 @@ def model_config_dict(model: nn.Module) -> dict:
     class); ``dtype`` is the dtype of its float tensors (embedding, norms), which
     a model built from a config and then cast does not record itself.
     """
+    from qfp8.checkpoint.diffusers import model_config_dict as diffusers_config  # imports the loader
+
+    if (as_dict := diffusers_config(model)) is not None:
+        return as_dict
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return {}
