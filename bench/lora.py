@@ -100,6 +100,13 @@ def interleaved(calls: dict, rounds: int, baseline: str) -> dict:
     }
 
 
+def _forward_backward(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):
+    def run():
+        layer(x.detach().requires_grad_()).backward(grad)
+
+    return run
+
+
 def layer_rows(shapes, m: int, rounds: int) -> list[dict]:
     rows = []
     for k, n in shapes:
@@ -111,14 +118,7 @@ def layer_rows(shapes, m: int, rounds: int) -> list[dict]:
         x = torch.randn(m, k, dtype=torch.bfloat16)
         grad = torch.randn(m, n, dtype=torch.bfloat16)
 
-        def step(layer):
-            def run():
-                xx = x.detach().requires_grad_()
-                layer(xx).backward(grad)
-
-            return run
-
-        med = interleaved({name: step(layer) for name, layer in layers.items()}, rounds, "bf16")
+        med = interleaved({name: _forward_backward(layer, x, grad) for name, layer in layers.items()}, rounds, "bf16")
         for name in SCHEMES:
             rows.append(
                 {
