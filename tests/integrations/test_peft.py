@@ -115,15 +115,22 @@ def test_adapter_gradients_match_the_float64_model():
     assert checked == 8
 
 
-def test_adapter_saved_by_peft_loads_on_a_fresh_fp8_model(tmp_path):
-    model = get_peft_model(_fp8_llama(), LoraConfig(target_modules=TARGETS, r=4, init_lora_weights=False))
-    model.save_pretrained(tmp_path)
-    assert (tmp_path / "adapter_model.safetensors").exists()
-    loaded = PeftModel.from_pretrained(_fp8_llama(), tmp_path)
+def test_adapter_saved_by_peft_loads_on_an_fp8_checkpoint(tmp_path):
+    base = _fp8_llama()
+    qfp8.save_pretrained(base, tmp_path / "base")
+    model = get_peft_model(base, LoraConfig(target_modules=TARGETS, r=4, init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    loaded = PeftModel.from_pretrained(qfp8.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
     assert all(isinstance(m, LoraQLinear) for m in _lora_layers(loaded).values())
     ids = _tokens()
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
+    merged = loaded.merge_and_unload()
+    qfp8.save_pretrained(merged, tmp_path / "merged")
+    with torch.no_grad():
+        want = merged(input_ids=ids).logits
+        assert torch.equal(qfp8.from_pretrained(tmp_path / "merged")(input_ids=ids).logits, want)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
