@@ -71,12 +71,12 @@ def _packed(weight, unpack, n: int, k: int, block_size: list, x_dtype: torch.dty
     canonical = weight if unpack is None else unpack(weight, n, k)
     granularity = "block" if block_size else "tensor"
     request = KernelRequest(
-        device=weight.device,
-        weight_dtype=weight.dtype,
+        device=canonical.device,
+        weight_dtype=canonical.dtype,
         granularity=granularity,
         block_size=tuple(reversed(block_size)),
         activation="none",
-        activation_dtype=weight.dtype,
+        activation_dtype=canonical.dtype,
         out_features=k,
         in_features=n,
         x_dtype=x_dtype,

@@ -203,6 +203,9 @@ def test_merge_refusals_name_the_module():
     with pytest.raises(ValueError, match=r"module 'model.layers.0.self_attn.q_proj'.*calibrat"):
         model.merge_and_unload()
     model = get_peft_model(_fp8_llama(), LoraConfig(target_modules=TARGETS, r=4))
+    base = model.base_model.model.model.layers[0].mlp.up_proj
+    with pytest.raises(ValueError, match=r"module 'model.layers.0.mlp.up_proj'.*shape \(96, 64\), got .*\(64, 96\)"):
+        base.requantize(torch.zeros(64, 96))
     layer = model.base_model.model.model.layers[1].self_attn.v_proj
     with torch.no_grad():
         layer.lora_B["default"].weight.fill_(float("nan"))
