@@ -26,22 +26,29 @@ straight-through one, as ``qfp8.library.autograd`` states.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from qfp8 import formats
-from qfp8.library.routing import KernelRequest, LinearKernel, select_kernel
+from qfp8.library.routing import KernelRequest, select_kernel
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Packed:
     version: int
     x_dtype: torch.dtype
-    kernel: LinearKernel
+    op: Callable[..., torch.Tensor]  # the kernel's entry: its eager entry where it has one
     weight: torch.Tensor  # q^T in the kernel's layout
     extra_args: tuple
+    # From the weight scales the last call used (kept while that tensor and its version stay): the tensor
+    # scale of q^T, and for per-channel scales the factors grad's columns are multiplied by.
+    scale: torch.Tensor | None = None
+    scale_version: int = -1
+    scale_t: torch.Tensor | None = None
+    column_scale: torch.Tensor | None = None
 
 
 # weight tensor (as the forward op holds it) -> its packed transpose.
@@ -84,7 +91,8 @@ def _packed(weight, unpack, n: int, k: int, block_size: list, x_dtype: torch.dty
     kernel, _ = select_kernel(request)
     with torch.no_grad():
         packed_t = kernel.pack(canonical.t().contiguous())
-    entry = _Packed(version, x_dtype, kernel, packed_t, tuple(kernel.extra_args(request)))
+    op = kernel.eager_op or (kernel.op.default if isinstance(kernel.op, torch._ops.OpOverloadPacket) else kernel.op)
+    entry = _Packed(version, x_dtype, op, packed_t, tuple(kernel.extra_args(request)))
     _CACHE[weight] = entry
     return entry
 
@@ -106,15 +114,24 @@ def grad_input(
     """
     if grad.dtype not in formats.FLOAT_DTYPES:
         grad = grad.to(torch.float32)
-    if block_size:
-        scale_t = weight_scale.t().contiguous()
-    elif weight_scale.numel() == 1 or n == 1:
-        scale_t = weight_scale.reshape(1)
-    else:
-        # Per output row n: the scales, over their largest, multiply grad's columns (in float32, rounded once
-        # to grad's dtype: the kernel runs 16-bit inputs several times faster than float32 ones; dividing by
-        # the largest keeps small scales out of float16's subnormals), the largest is q^T's tensor scale.
-        scale_t = weight_scale.amax().reshape(1)
-        grad = (grad.to(torch.float32) * (weight_scale.reshape(1, n) / scale_t)).to(grad.dtype)
     entry = _packed(weight, unpack, n, k, list(block_size), grad.dtype)
-    return entry.kernel.op(grad.contiguous(), entry.weight, scale_t, None, None, *entry.extra_args)
+    if entry.scale is not weight_scale or entry.scale_version != _version(weight_scale):
+        _set_scales(entry, weight_scale, n, bool(block_size))
+    if entry.column_scale is not None:
+        # Rounded once to grad's dtype: the kernel runs 16-bit inputs several times faster than float32 ones.
+        grad = torch.mul(grad, entry.column_scale).to(grad.dtype)
+    return entry.op(grad.contiguous(), entry.weight, entry.scale_t, None, None, *entry.extra_args)
+
+
+def _set_scales(entry: _Packed, weight_scale: torch.Tensor, n: int, block: bool) -> None:
+    """The scales of the product on q^T, from the layer's weight scales."""
+    entry.scale, entry.scale_version, entry.column_scale = weight_scale, _version(weight_scale), None
+    if block:
+        entry.scale_t = weight_scale.t().contiguous()
+    elif weight_scale.numel() == 1 or n == 1:
+        entry.scale_t = weight_scale.reshape(1)
+    else:
+        # Per output row n: the scales over their largest multiply grad's columns (the largest divided out
+        # keeps small scales clear of float16's subnormals) and the largest is q^T's tensor scale.
+        entry.scale_t = weight_scale.amax().reshape(1)
+        entry.column_scale = weight_scale.reshape(1, n) / entry.scale_t

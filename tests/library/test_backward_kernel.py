@@ -119,3 +119,19 @@ def test_reference_route_gradient_matches_float64():
     grad_y = torch.randn(4, 21, dtype=torch.float64)
     layer(x).backward(grad_y)
     assert sqnr(x.grad, _want(layer, grad_y)) > MIN_SQNR[torch.float32]  # the reference op computes in float32
+
+
+@requires_kernel
+@pytest.mark.parametrize("scheme", SCHEMES[:3])
+def test_new_weight_scales_reach_the_gradient(scheme):
+    layer = _quantized_layer(40, 24, torch.float32, scheme)
+    x = torch.randn(3, 24, requires_grad=True)
+    grad_y = torch.randn(3, 40)
+    layer(x).backward(grad_y)
+    with torch.no_grad():
+        layer.weight_scale.mul_(2.0)  # in place: the tensor's version changes
+    for step in ("in place", "assigned"):
+        x.grad = None
+        layer(x).backward(grad_y)
+        assert sqnr(x.grad, _want(layer, grad_y)) > MIN_SQNR[torch.float32], step
+        layer.weight_scale = layer.weight_scale * 0.25  # a new tensor
