@@ -228,6 +228,25 @@ def linear_class_reason(module: nn.Linear) -> str | None:
     return None
 
 
+# peft's adapter modules (LoRA's low-rank factors, the trainable copies of modules_to_save): what trains on top
+# of the base model, so they stay float.
+PEFT_ADAPTER_NAMES = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "modules_to_save"})
+
+
+def _holds_peft_layers(model: nn.Module) -> bool:
+    return "peft" in sys.modules and any(type(m).__module__.startswith("peft.") for m in model.modules())
+
+
+def adapter_reason(name: str, module: nn.Linear, in_peft_model: bool) -> str | None:
+    """Why the Linear ``name`` is a peft adapter that ``quantize`` keeps float, or None."""
+    found = PEFT_ADAPTER_NAMES.intersection(name.split("."))
+    if found:
+        return f"peft adapter ({min(found)}): adapters train in float; only base layers are quantized"
+    if in_peft_model and module.weight.requires_grad:
+        return "trainable in a peft model (its weight requires grad); only frozen base layers are quantized"
+    return None
+
+
 def _skip_reason(module: nn.Linear) -> str | None:
     if reason := linear_class_reason(module):
         return reason
@@ -530,6 +549,7 @@ def quantize(
     report = QuantizeReport()
     planned: dict[int, ReportEntry] = {}
     linear_names = []
+    in_peft_model = _holds_peft_layers(model)
     for name, module in model.named_modules(remove_duplicate=False):
         if not isinstance(module, nn.Linear):
             continue
@@ -543,7 +563,11 @@ def quantize(
         entry = ReportEntry(name, module.in_features, module.out_features, quantized=False)
         pattern = excluded_by(name, exclude)
         entry.reason = (
-            f"excluded by pattern {pattern!r}" if pattern else (float_linear_reason(name) or _skip_reason(module) or "")
+            f"excluded by pattern {pattern!r}"
+            if pattern
+            else (
+                float_linear_reason(name) or adapter_reason(name, module, in_peft_model) or _skip_reason(module) or ""
+            )
         )
         entry.quantized = not entry.reason
         planned[id(module)] = entry
@@ -684,6 +708,10 @@ def quantize(
         tie_embedding(model, head_name, embedding_name)
         report.tied_embeddings.append(f"{embedding_name} reads its rows from {head_name}'s FP8 weight (one table)")
     _set_up_attention(model, kv_cache, report, pack_heads=True)
+    if in_peft_model:  # peft's LoRA layers whose base is now FP8 merge by re-quantizing it
+        from qfp8.integrations.peft import adopt_lora_layers
+
+        adopt_lora_layers(model)
     model.qfp8_scheme = scheme
     if report.quantized:
         guard_transformers_save(model)
@@ -765,6 +793,8 @@ class TransformersSaveRefused:
 
 def guard_transformers_save(model: nn.Module) -> None:
     """Makes a quantized transformers model's ``save_pretrained`` raise, pointing to ``qfp8.save_pretrained``."""
+    if type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()  # a PeftModel's own save_pretrained writes the adapter alone
     if callable(getattr(type(model), "save_pretrained", None)):
         model.save_pretrained = TransformersSaveRefused()
 

@@ -4,7 +4,11 @@ A quantized layer's weights and scales are frozen buffers, so only the input
 (for adapters trained on top of a quantized model, or gradients with respect
 to inputs) and a bias the user made trainable get gradients:
 
-- ``grad_x = grad_y @ dequant(W)``, in float32, returned in ``x``'s dtype.
+- ``grad_x = grad_y @ dequant(W)``, returned in ``x``'s dtype. In eager
+  mode it is the linear kernel of the weight's device run on the FP8 ``W^T``,
+  packed once at the first backward (:mod:`qfp8.library.transposed`); a
+  traced backward calls ``qfp8::grad_input_linear`` (dequantize, then a
+  float32 product), as do double backward and torch.func.
   With FP8 activations (W8A8) the activation quantization counts as the
   identity (the straight-through estimator quantization-aware training uses),
   so the gradient is the one of the same layer with float activations.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from qfp8 import formats
+from qfp8.library import transposed
 
 __all__ = [
     "apply_linear",
@@ -107,18 +112,26 @@ def _setup(ctx, unpack, args) -> None:
 def _grads(ctx, grad, count: int, x_index: int) -> tuple:
     """Gradients of the ``count`` inputs, ``x`` at ``x_index`` and the bias 3 after it; None for the others."""
     grads = [None] * count
-    grad2d = grad.reshape(-1, ctx.n).to(torch.float32)
+    grad2d = grad.reshape(-1, ctx.n)
     if ctx.needs_input_grad[x_index]:
-        weight = ctx.weight if ctx.unpack is None else ctx.unpack(ctx.weight, ctx.n, ctx.k)
         if torch._C._are_functorch_transforms_active():
             # torch.func (grad, jacrev, ...): a custom op's autograd does not run under its transforms; the same
             # product in aten ops does, to any order.
-            grad_x = _grad_input(grad2d, weight, ctx.weight_scale, ctx.block_size)
+            weight = ctx.weight if ctx.unpack is None else ctx.unpack(ctx.weight, ctx.n, ctx.k)
+            grad_x = _grad_input(grad2d.to(torch.float32), weight, ctx.weight_scale, ctx.block_size)
+        elif torch.compiler.is_compiling() or torch.is_grad_enabled():
+            # A traced backward (one opaque op in the graph) or a double backward (the op's own formula).
+            weight = ctx.weight if ctx.unpack is None else ctx.unpack(ctx.weight, ctx.n, ctx.k)
+            grad_x = torch.ops.qfp8.grad_input_linear(
+                grad2d.to(torch.float32), weight, ctx.weight_scale, ctx.block_size
+            )
         else:
-            grad_x = torch.ops.qfp8.grad_input_linear(grad2d, weight, ctx.weight_scale, ctx.block_size)
+            grad_x = transposed.grad_input(
+                grad2d, ctx.weight, ctx.weight_scale, ctx.unpack, ctx.n, ctx.k, ctx.block_size
+            )
         grads[x_index] = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[x_index + 3]:
-        grads[x_index + 3] = grad2d.sum(0).to(ctx.bias_dtype)
+        grads[x_index + 3] = grad2d.to(torch.float32).sum(0).to(ctx.bias_dtype)
     return tuple(grads)
 
 

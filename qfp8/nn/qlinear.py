@@ -215,6 +215,22 @@ def _refuse_transformers_writer(layer: nn.Module) -> None:
         frame = frame.f_back
 
 
+def check_float_weight(weight: torch.Tensor, name: str) -> None:
+    """Raises the ValueError naming module ``name`` if the float ``weight`` holds values FP8 cannot represent."""
+    bad = formats.nonfinite_count(weight)  # in row bands: a whole-weight temporary is 0.5-1x its bytes
+    if bad:
+        raise ValueError(
+            f"module {name!r}: weight {tuple(weight.shape)} holds {bad} NaN/Inf value(s); "
+            "FP8 cannot represent them. Fix or exclude this module (exclude=[...])."
+        )
+    if weight.numel() and not torch.isfinite((amax := formats.abs_max(weight)).float()):
+        raise ValueError(
+            f"module {name!r}: weight {tuple(weight.shape)} holds values beyond float32's range (|w| up to "
+            f"{float(amax):.3g}), which its float32 scales cannot cover. Fix or exclude this "
+            "module (exclude=[...])."
+        )
+
+
 def _is_own_forward(module: nn.Module, forward) -> bool:
     """True when ``forward`` is ``type(module).forward`` bound to ``module`` (no wrapper)."""
     return getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward
@@ -295,18 +311,7 @@ class QLinear(nn.Module):
         """
         rounding.check_mode(accuracy)
         weight = weight.detach()
-        bad = formats.nonfinite_count(weight)  # in row bands: a whole-weight temporary is 0.5-1x its bytes
-        if bad:
-            raise ValueError(
-                f"module {name!r}: weight {tuple(weight.shape)} holds {bad} NaN/Inf value(s); "
-                "FP8 cannot represent them. Fix or exclude this module (exclude=[...])."
-            )
-        if weight.numel() and not torch.isfinite((amax := formats.abs_max(weight)).float()):
-            raise ValueError(
-                f"module {name!r}: weight {tuple(weight.shape)} holds values beyond float32's range (|w| up to "
-                f"{float(amax):.3g}), which its float32 scales cannot cover. Fix or exclude this "
-                "module (exclude=[...])."
-            )
+        check_float_weight(weight, name)
         out_features, in_features = weight.shape
         module = cls(
             in_features,
@@ -329,6 +334,35 @@ class QLinear(nn.Module):
         module.label = label
         module.pack_for_device()
         return module
+
+    def requantize(self, weight: torch.Tensor, name: str | None = None) -> None:
+        """Replaces the FP8 weight by the float ``weight`` ``[N, K]`` quantized with the layer's own scheme.
+
+        What a LoRA merge does (``weight`` is the dequantized weight plus the
+        adapter's product). The bias, the activation scales and the kernel
+        choice stay; ``name`` names the module in errors (default: its label).
+        """
+        name = name or self.label or f"QLinear({self.in_features} -> {self.out_features})"
+        shape = (self.out_features, self.in_features)
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or tuple(weight.shape) != shape:
+            got = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"module {name!r}: a new weight must be a float tensor of shape {shape}, got {got}")
+        if self.accuracy_pending:
+            raise ValueError(
+                f"module {name!r}: its weight waits for calibration (accuracy={self.accuracy!r}); run "
+                "qfp8.calibrate on it before changing its weight"
+            )
+        if self.qweight.device.type == "meta":
+            raise ValueError(f"module {name!r}: its weight is on the meta device (never loaded); load it first")
+        weight = weight.detach().to(self.weight_scale.device)
+        check_float_weight(weight, name)
+        qweight, scale = formats.quantize_weight(
+            weight, self.scheme.weight_dtype, self.scheme.weight_scale, self.scheme.block_size or None
+        )
+        self.qweight = qweight
+        self._use_kernel(REFERENCE_KERNEL)
+        self.weight_scale = scale
+        self.pack_for_device()
 
     # -------------------------------------------------------------- views
     @property

@@ -1,0 +1,1 @@
+"""Glue to other libraries, each imported only when that library is."""
