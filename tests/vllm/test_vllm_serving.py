@@ -63,11 +63,15 @@ EXPANDED = "w8a8-tensor-weights-as-channel"
 NEAREST_KEYS = "kv-cache-fp8-keys-rounded-to-nearest"  # qfp8's reference for the FP8 KV cache: keys as vLLM rounds them
 
 
+def scheme_arguments(test_id: str) -> dict:
+    """SCHEMES[test_id] without the KV cache: the QuantizationScheme.from_args arguments."""
+    return {k: v for k, v in SCHEMES[test_id].items() if k != "kv_cache"}
+
+
 def verdict(test_id: str) -> compat.CpuVerdict:
     if test_id == "kv-cache-fp8":
         return compat.VLLM_CPU_KV_CACHE
-    kwargs = {k: v for k, v in SCHEMES[test_id].items() if k != "kv_cache"}
-    return compat.VLLM_CPU[compat.cpu_kind(QuantizationScheme.from_args(**kwargs))]
+    return compat.VLLM_CPU[compat.cpu_kind(QuantizationScheme.from_args(**scheme_arguments(test_id)))]
 
 
 def build_checkpoint(path: Path, kwargs: dict) -> list[str]:
@@ -279,3 +283,24 @@ def test_vllm_cpu_fp8_kv_cache_reads_qfp8_scales(served):
     assert 0 < vllm_mean <= 2 * qfp8_mean, (
         f"FP8 KV cache moves log-probabilities: vLLM {vllm_mean:.4f}, qfp8 {qfp8_mean:.4f}"
     )
+
+
+def test_every_kind_of_the_table_is_run():
+    """Each kind of scheme compat.VLLM_CPU describes is among the checkpoints served, with its example."""
+    kinds = {compat.cpu_kind(QuantizationScheme.from_args(**kwargs)) for kwargs in map(scheme_arguments, SCHEMES)}
+    assert kinds == set(compat.VLLM_CPU)
+    examples = [scheme_arguments(test_id) for test_id in SCHEMES]
+    for kind, entry in compat.VLLM_CPU.items():
+        assert entry.example in examples, kind
+        assert compat.cpu_kind(QuantizationScheme.from_args(**entry.example)) == kind
+        assert entry.runs_as is None or entry.runs_as in SCHEMES.values(), kind
+    assert compat.VLLM_CPU_KV_CACHE.example == SCHEMES["kv-cache-fp8"]
+
+
+def test_docs_matrix_is_the_table():
+    """docs/vllm.md's matrix, between its markers, is compat.markdown_matrix()'s output."""
+    text = (Path(__file__).parents[2] / "docs" / "vllm.md").read_text()
+    start = text.index("<!-- vllm-cpu-matrix")
+    start = text.index("\n", start) + 1
+    end = text.index("<!-- end vllm-cpu-matrix -->")
+    assert text[start:end].strip() == compat.markdown_matrix()
