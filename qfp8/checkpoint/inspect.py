@@ -42,10 +42,12 @@ def vllm_notes(plan) -> list[str]:
 
 
 def serves_on(plan) -> dict[str, str]:
-    """Engine -> "yes", "no" or "only on CPUs with AMX" (qfp8.checkpoint.compat); {} for other formats."""
+    """Engine -> "yes", "no" or "only on CPUs with ..." (qfp8.checkpoint.compat); {} for other formats."""
     if plan.format not in ("compressed-tensors", qconfig.QFP8_METHOD):
         return {}
-    return compat.serves_on(_layers(plan), qfp8_only=plan.format == qconfig.QFP8_METHOD)
+    return compat.serves_on(
+        _layers(plan), qfp8_only=plan.format == qconfig.QFP8_METHOD, fp8_kv_cache=plan.kv_cache_dtype is not None
+    )
 
 
 def describe(path) -> dict:

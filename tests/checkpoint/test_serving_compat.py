@@ -24,7 +24,7 @@ def saved(tiny, path, **kwargs) -> list[str]:
     """Quantizes and saves the aligned tiny Llama; returns the save warnings' messages."""
     model = tiny.model(**ALIGNED)
     qfp8.quantize(model, **kwargs)
-    if kwargs.get("activations") == "static":
+    if kwargs.get("activations") == "static" or kwargs.get("kv_cache"):
         with qfp8.calibrate(model):
             model(tiny.tokens())
     with warnings.catch_warnings(record=True) as caught:
@@ -58,6 +58,11 @@ def test_serves_on_and_the_save_warning_follow_the_table(tiny, tmp_path, kwargs,
     assert info["serves_on"] == {"qfp8": "yes", "transformers": "yes", "vLLM GPU": "yes", "vLLM CPU": cpu}
     assert f"serves on: qfp8 yes, transformers yes, vLLM GPU yes, vLLM CPU {cpu}" in format_description(info)
     assert len(info["vllm_cpu"]) == (cpu != "yes")
+
+
+def test_an_fp8_kv_cache_serves_on_cpus_with_avx512(tiny, tmp_path):
+    assert saved(tiny, tmp_path, activations="dynamic", kv_cache="float8_e4m3fn") == []
+    assert describe(tmp_path)["serves_on"]["vLLM CPU"] == "only on CPUs with AVX-512 or AMX"
 
 
 def test_a_checkpoint_vllm_refuses_serves_on_neither_vllm_engine(tiny, tmp_path):
