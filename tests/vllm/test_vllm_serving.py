@@ -280,3 +280,32 @@ def test_docs_matrix_is_the_table():
     start = text.index("\n", start) + 1
     end = text.index("<!-- end vllm-cpu-matrix -->")
     assert text[start:end].strip() == compat.markdown_matrix()
+
+
+def test_vllm_cpu_fp8_kv_cache_reads_qfp8_scales(served):
+    """vLLM stores K and V in FP8 with the checkpoint's calibrated scales, and its FP8 cache costs about what
+    qfp8's does: its log-probabilities move from its own bf16-cache run (the same weights) by at most twice what
+    qfp8's move from qfp8's bf16-cache run."""
+    if not compat.serves_here(compat.VLLM_CPU_KV_CACHE):
+        pytest.skip("vLLM's FP8 KV cache needs AVX-512 or AMX (test_vllm_cpu_does_what_the_table_says checks it fails)")
+    reference, result = served["kv-cache-fp8"]
+    assert result["kv_cache_dtypes"] == ["fp8"], result["kv_cache_dtypes"]
+    assert result["kv_scales"] == served["kv_scales"], (result["kv_scales"], served["kv_scales"])
+    bf16_reference, bf16_result = served["w8a8-token"]
+    vllm_moved, qfp8_moved = [], []
+    for position, (entries, bf16_entries) in enumerate(
+        zip(result["prompt_logprobs"], bf16_result["prompt_logprobs"], strict=True)
+    ):
+        if entries is None:
+            continue
+        token, logprob = entries[0]
+        (bf16_logprob,) = [lp for t, lp in bf16_entries if t == token] or [None]
+        if bf16_logprob is None:
+            continue  # the other run's top-2 lacks this token
+        vllm_moved.append(abs(logprob - bf16_logprob))
+        qfp8_moved.append(abs(float(reference[position - 1, token] - bf16_reference[position - 1, token])))
+    assert len(vllm_moved) >= (PROMPT_LENGTH - 1) // 2
+    vllm_mean, qfp8_mean = sum(vllm_moved) / len(vllm_moved), sum(qfp8_moved) / len(qfp8_moved)
+    assert 0 < vllm_mean <= 2 * qfp8_mean, (
+        f"FP8 KV cache moves log-probabilities: vLLM {vllm_mean:.4f}, qfp8 {qfp8_mean:.4f}"
+    )
