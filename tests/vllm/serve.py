@@ -2,10 +2,11 @@
 
 ``python serve.py JOB.json`` where the job is ``{"prompt": [token ids], "logprobs": k, "checkpoints":
 [{"name": ..., "path": ..., "engine": {extra LLM(...) arguments}}]}``. Each checkpoint is started in turn in this
-one process (vLLM's engine in-process, eager, a small KV cache) and fed the prompt teacher-forced: the result is
-``{"name": {"stage": "ok", "kv_cache_dtypes": [...], "kernels": [...], "prompt_logprobs": [[[token, logprob], ...] by rank, or None
-per position]}}``, or the stage that failed (``"load"``, ``"generate"``) with the exception's type and message. The
-last line of stdout is the JSON: ``{"vllm": version, "results": {...}}``.
+one process (vLLM's engine in-process, eager, a small KV cache) and fed the prompt teacher-forced. Its result is
+``{"stage": "ok", "kv_cache_dtypes": [...], "kv_scales": [...], "kernels": [...], "prompt_logprobs": [...]}``
+(per position None or the top-k ``[token, logprob]`` by rank), or the stage that failed (``"load"``,
+``"generate"``) with the exception's type and message. The last line of stdout is the JSON:
+``{"vllm": version, "results": {name: result}}``.
 """
 
 from __future__ import annotations
