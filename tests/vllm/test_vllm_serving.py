@@ -60,6 +60,10 @@ SCHEMES = {
 # Per-tensor weights (W8A8 dynamic per-token) written as channel scales (each row the layer's one scale: the same
 # values): vLLM's CPU engine then skips the re-quantization that fails for per-tensor scales (docs/vllm.md).
 EXPANDED = "w8a8-tensor-weights-as-channel"
+# e5m2 weights: compressed-tensors cannot say them, so qfp8 writes the checkpoint without quant_method, for qfp8
+# only; vLLM then builds a float model and its loader finds no parameter for the scales.
+QFP8_ONLY = "e5m2-qfp8-only"
+QFP8_ONLY_ARGUMENTS = dict(weights="float8_e5m2", activations="dynamic")
 NEAREST_KEYS = "kv-cache-fp8-keys-rounded-to-nearest"  # qfp8's reference for the FP8 KV cache: keys as vLLM rounds them
 
 
@@ -150,11 +154,13 @@ def served(vllm_python_or_skip, tmp_path_factory):
     prompt = torch.randint(0, SIZES["vocab_size"], (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(1))
     prompt = prompt.tolist()
     warned = {test_id: build_checkpoint(root / test_id, kwargs) for test_id, kwargs in SCHEMES.items()}
+    build_checkpoint(root / QFP8_ONLY, QFP8_ONLY_ARGUMENTS)
     expand_tensor_scales(root / "w8a8-tensor-weights", root / EXPANDED)
     # vLLM rounds keys to nearest: qfp8's compensated key rounding (a file beside the weights) is qfp8's own
     shutil.copytree(root / "kv-cache-fp8", root / NEAREST_KEYS, ignore=shutil.ignore_patterns(KV_ROUNDING_FILE))
     names = [*SCHEMES, EXPANDED]
-    job = {"prompt": prompt, "logprobs": 2, "checkpoints": [{"name": n, "path": str(root / n)} for n in names]}
+    served_names = [*names, QFP8_ONLY]
+    job = {"prompt": prompt, "logprobs": 2, "checkpoints": [{"name": n, "path": str(root / n)} for n in served_names]}
     (root / "job.json").write_text(json.dumps(job))
     serve = Path(__file__).with_name("serve.py")
     done = subprocess.run(
@@ -172,6 +178,7 @@ def served(vllm_python_or_skip, tmp_path_factory):
         "kv_scales": checkpoint_kv_scales(root / "kv-cache-fp8"),
         "warned": warned,
         **{n: (reference[n], results[n]) for n in names},
+        QFP8_ONLY: (None, results[QFP8_ONLY]),
     }
 
 
@@ -309,3 +316,9 @@ def test_vllm_cpu_fp8_kv_cache_reads_qfp8_scales(served):
     assert 0 < vllm_mean <= 2 * qfp8_mean, (
         f"FP8 KV cache moves log-probabilities: vLLM {vllm_mean:.4f}, qfp8 {qfp8_mean:.4f}"
     )
+
+
+def test_vllm_refuses_a_qfp8_only_checkpoint(served):
+    """A checkpoint marked qfp8_method 'qfp8' (here e5m2 weights) fails to load in vLLM instead of running wrong."""
+    _, result = served[QFP8_ONLY]
+    assert result["stage"] == "load" and "weight_scale" in result["error"], result.get("error")
