@@ -31,7 +31,8 @@ class CpuVerdict:
     outputs with qfp8's for those). When it does not serve: ``stage`` is where vLLM fails ("load": building or
     loading the model; "generate": the first forward pass) and ``error`` a part of its message. ``vllm_fault``:
     the checkpoint is valid and vLLM on GPU runs it; the CPU engine lacks a kernel or has a bug, so a later vLLM
-    may run it (the tests keep an expected-to-fail reproduction that flips when it does)."""
+    may run it (the tests keep an expected-to-fail reproduction that flips when it does). ``remedy``: the
+    arguments to use instead, said with the save warning."""
 
     label: str
     example: dict  # qfp8.quantize arguments giving a scheme of this kind
@@ -41,6 +42,7 @@ class CpuVerdict:
     error: str | None = None
     vllm_fault: bool = False
     runs_as: dict | None = None
+    remedy: str = ""  # what to quantize with instead, for vLLM's CPU engine
 
 
 # Kinds of layer scheme, as vLLM's CPU engine tells them apart (see cpu_kind).
@@ -68,6 +70,7 @@ VLLM_CPU: dict[str, CpuVerdict] = {
         "load",
         "requires AMX tile support",
         runs_as=dict(weight_scale="block"),
+        remedy="weight_scale='channel' with activations='dynamic'",
     ),
     "w8a8-static": CpuVerdict(
         "W8A8 static per-tensor activations, channel weights",
@@ -78,6 +81,7 @@ VLLM_CPU: dict[str, CpuVerdict] = {
         "generate",
         "narrow() cannot be applied to a 0-dim tensor",
         vllm_fault=True,
+        remedy="activations='dynamic' (per-token, channel weights)",
     ),
     "tensor-weights": CpuVerdict(
         "per-tensor weights (W8A8 dynamic or static)",
@@ -88,6 +92,7 @@ VLLM_CPU: dict[str, CpuVerdict] = {
         "load",
         "static_scaled_fp8_quant() expected at most 0 argument(s)",
         vllm_fault=True,
+        remedy="weight_scale='channel'",
     ),
     "w8a16": CpuVerdict(
         "W8A16 (qfp8's default), any weight scale",
@@ -97,6 +102,7 @@ VLLM_CPU: dict[str, CpuVerdict] = {
         "load",
         "Failed to find a kernel that can implement the ScaledMM linear layer",
         vllm_fault=True,
+        remedy="activations='dynamic' (per-token, channel weights)",
     ),
 }
 # An FP8 KV cache (kv_cache='float8_e4m3fn'), on top of a scheme vLLM's CPU engine serves.
@@ -143,7 +149,8 @@ def vllm_cpu_problems(layers: dict[str, qconfig.Layer]) -> list[str]:
         if verdict.serves == "yes":
             continue
         where = ONLY_ON.get(verdict.serves, "no")
-        found.setdefault(f"{verdict.label}: {where}; {verdict.why}", []).append(qconfig._name_pattern(name))
+        message = f"{verdict.label}: {where}; {verdict.why}. For vLLM's CPU engine use {verdict.remedy}"
+        found.setdefault(message, []).append(qconfig._name_pattern(name))
     return qconfig._problem_lines(found)
 
 

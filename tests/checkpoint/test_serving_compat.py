@@ -54,6 +54,7 @@ def test_serves_on_and_the_save_warning_follow_the_table(tiny, tmp_path, kwargs,
     else:
         assert len(messages) == 1 and len(cpu_messages) == 1, messages
         assert verdict.why in cpu_messages[0] and "14 modules" in cpu_messages[0]
+        assert f"For vLLM's CPU engine use {verdict.remedy}" in cpu_messages[0]
     info = describe(tmp_path)
     assert info["serves_on"] == {"qfp8": "yes", "transformers": "yes", "vLLM GPU": "yes", "vLLM CPU": cpu}
     assert f"serves on: qfp8 yes, transformers yes, vLLM GPU yes, vLLM CPU {cpu}" in format_description(info)

@@ -277,6 +277,7 @@ def test_every_kind_of_the_table_is_run():
         assert entry.example in examples, kind
         assert compat.cpu_kind(QuantizationScheme.from_args(**entry.example)) == kind
         assert entry.runs_as is None or entry.runs_as in SCHEMES.values(), kind
+        assert entry.serves == "yes" or entry.remedy, f"{kind}: the save warning names no remedy"
     assert compat.VLLM_CPU_KV_CACHE.example == SCHEMES["kv-cache-fp8"]
 
 
