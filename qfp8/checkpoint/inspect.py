@@ -8,6 +8,7 @@ import re
 
 import torch
 
+from qfp8.checkpoint import compat
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.readers import open_checkpoint
 
@@ -24,6 +25,17 @@ def _group_name(module: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", module)
 
 
+def _layers(plan) -> dict:
+    """Each linear layer's scheme (None: float) and weight shape, as the vLLM and transformers rules take them."""
+    layers = {}
+    for name, stored in plan.tensors.items():
+        module, _, leaf = name.rpartition(".")
+        shape = tuple(stored.file.info(stored.name).shape)
+        if leaf == "weight" and len(shape) == 2:
+            layers[module] = (plan.schemes.get(module), shape)
+    return layers
+
+
 def vllm_notes(plan) -> list[str]:
     """What vLLM makes of a compressed-tensors or qfp8 checkpoint: refused, the rules it breaks, or nothing."""
     if plan.format == qconfig.QFP8_METHOD:
@@ -34,13 +46,16 @@ def vllm_notes(plan) -> list[str]:
         ]
     if plan.format != "compressed-tensors":
         return []
-    layers = {}
-    for name, stored in plan.tensors.items():
-        module, _, leaf = name.rpartition(".")
-        shape = tuple(stored.file.info(stored.name).shape)
-        if leaf == "weight" and len(shape) == 2:
-            layers[module] = (plan.schemes.get(module), shape)
-    return qconfig.vllm_incompatibilities(layers)
+    return qconfig.vllm_incompatibilities(_layers(plan))
+
+
+def serves_on(plan) -> dict[str, str]:
+    """Engine -> "yes", "no" or "only on CPUs with ..." (qfp8.checkpoint.compat); {} for other formats."""
+    if plan.format not in ("compressed-tensors", qconfig.QFP8_METHOD):
+        return {}
+    return compat.serves_on(
+        _layers(plan), qfp8_only=plan.format == qconfig.QFP8_METHOD, fp8_kv_cache=plan.kv_cache_dtype is not None
+    )
 
 
 def describe(path) -> dict:
@@ -83,6 +98,8 @@ def describe(path) -> dict:
         "architecture": (checkpoint.config.get("architectures") or [None])[0],
         "tied_embeddings": checkpoint.config.get(qconfig.TIED_EMBEDDINGS_KEY) or {},
         "vllm": vllm_notes(plan),
+        "vllm_cpu": compat.vllm_cpu_problems(_layers(plan)) if plan.format == "compressed-tensors" else [],
+        "serves_on": serves_on(plan),
     }
 
 
@@ -110,8 +127,12 @@ def format_description(info: dict) -> str:
             f"  tied: {embedding} holds {head}'s FP8 weight dequantized; qfp8.from_pretrained reads its rows from "
             f"{head} (one FP8 table)"
         )
+    if info.get("serves_on"):
+        lines.append("  serves on: " + ", ".join(f"{engine} {answer}" for engine, answer in info["serves_on"].items()))
     for note in info.get("vllm", []):
         lines.append(f"  vLLM: {note}")
+    for note in info.get("vllm_cpu", []):
+        lines.append(f"  vLLM CPU: {note}")
     return "\n".join(lines)
 
 

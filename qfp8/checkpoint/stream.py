@@ -56,8 +56,8 @@ from typing import NamedTuple
 import torch
 
 from qfp8 import formats, rounding
+from qfp8.checkpoint import compat, layerwise
 from qfp8.checkpoint import config as qconfig
-from qfp8.checkpoint import layerwise
 from qfp8.checkpoint.loader import build_model
 from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.readers import open_checkpoint
@@ -494,8 +494,8 @@ def stream_quantize(
     if experts_reason:
         warnings.warn(f"qfp8 quantize: fused MoE experts are kept in float: {experts_reason}", stacklevel=2)
     kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
-    # Said before the work: a qfp8-only checkpoint, or what vLLM would refuse (see qfp8/checkpoint/config.py).
-    for message in qconfig.save_warnings(layers, kv_dtype):
+    # Said before the work: a qfp8-only checkpoint, or what vLLM would refuse (see qfp8/checkpoint/compat.py).
+    for message in compat.save_warnings(layers, kv_dtype):
         warnings.warn(message, UserWarning, stacklevel=2)
 
     calibrated: dict[str, torch.Tensor] = {}

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from qfp8 import formats
+from qfp8.checkpoint import compat
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames, split_rows
 from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, PlannedTensor, write_safetensors
@@ -554,7 +555,8 @@ def save_pretrained(
     transformers refuse them) with a UserWarning; a checkpoint vLLM would
     refuse or could not run (block weights with static inputs, fused q/k/v or
     gate/up shards quantized differently, W8A8 block shapes its kernels cannot
-    take) gets a UserWarning naming the rule: see qfp8/checkpoint/config.py.
+    take) gets a UserWarning naming the rule: see qfp8/checkpoint/config.py;
+    so does one that vLLM's CPU engine cannot run (qfp8/checkpoint/compat.py).
 
     Tokenizer and generation files come from ``tokenizer`` if given, else from
     the folder the model was loaded from (``config._name_or_path``) when it has them.
@@ -583,7 +585,7 @@ def save_pretrained(
     # checkpoint could not be loaded) and an accuracy-mode layer would ship
     # its round-to-nearest weights.
     check_calibrated(model, "save_pretrained")
-    for message in qconfig.save_warnings(layers, getattr(model, "qfp8_kv_cache_dtype", None)):
+    for message in compat.save_warnings(layers, getattr(model, "qfp8_kv_cache_dtype", None)):
         warnings.warn(message, UserWarning, stacklevel=2)
     if config["quantization_config"]["kv_cache_scheme"] and config["quantization_config"]["kv_cache_scheme"]["dynamic"]:
         warnings.warn(
