@@ -1,5 +1,7 @@
 """qfp8: FP8 weights and activations for PyTorch models, with fast kernels."""
 
+import sys
+
 from qfp8.checkpoint import from_pretrained, load_state_dict, save_pretrained
 from qfp8.nn import QLinear
 from qfp8.quantize import QuantizeReport, calibrate, freeze, quantize
@@ -11,6 +13,7 @@ __all__ = [
     "Float8ActivationTensor",
     "Float8WeightTensor",
     "QLinear",
+    "Qfp8Config",
     "QuantizeReport",
     "calibrate",
     "freeze",
@@ -19,3 +22,16 @@ __all__ = [
     "quantize",
     "save_pretrained",
 ]
+
+
+def __getattr__(name: str):
+    # Qfp8Config is a transformers class: imported (and "qfp8" registered with transformers) when first used.
+    if name == "Qfp8Config":
+        from qfp8.integrations.transformers import Qfp8Config
+
+        return Qfp8Config
+    raise AttributeError(f"module 'qfp8' has no attribute {name!r}")
+
+
+if "transformers" in sys.modules:  # a quantization_config dict naming "qfp8" then works without touching Qfp8Config
+    from qfp8.integrations import transformers as _transformers_integration  # noqa: F401

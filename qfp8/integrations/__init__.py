@@ -1,0 +1,5 @@
+"""qfp8 inside other libraries' entry points (transformers' ``from_pretrained`` and ``save_pretrained``).
+
+Each integration imports its library, so none is imported by ``import qfp8``;
+``qfp8.Qfp8Config`` imports :mod:`qfp8.integrations.transformers` when first used.
+"""
