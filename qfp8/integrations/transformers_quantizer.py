@@ -48,6 +48,10 @@ try:  # transformers 5: loading runs through conversion ops
     from transformers.core_model_loading import ConversionOps, WeightConverter
 except ImportError:  # transformers 4: create_quantized_param
     ConversionOps = WeightConverter = None
+# transformers 5 re-creates every non-persistent buffer (a QLinear's FP8 weight is one) after loading, and before
+# its post-processing: qfp8's modules go in then. transformers 4 dispatches the model (device_map) before its
+# post-processing, and re-creates only the buffers still on meta: they go in while loading.
+LATE_PLACEMENT = WeightConverter is not None
 
 
 def _is_float_dtype(dtype: torch.dtype) -> bool:
@@ -66,7 +70,8 @@ class Qfp8HfQuantizer(HfQuantizer):
             quantization_config = Qfp8Config.from_dict(quantization_config)
         super().__init__(quantization_config, **kwargs)
         self.targets: dict[str, list[str]] = {}  # module name -> its aliases (a shared Linear has several)
-        self.quantized: dict[str, QLinear] = {}  # made while loading, put in place after
+        self.quantized: dict[str, QLinear] = {}  # made while loading, put in place after (transformers 5)
+        self.placed: set[str] = set()
         self.report = QuantizeReport()
         self.checkpoint = self.plan = None
 
@@ -85,7 +90,7 @@ class Qfp8HfQuantizer(HfQuantizer):
     def update_device_map(self, device_map):
         # The CPU unless told otherwise, as transformers loads; named, so that what looks at the placement while
         # the model is still on meta (transformers 5's kernelize) takes the CPU.
-        return {"": "cpu"} if device_map is None else device_map
+        return {"": "cpu"} if device_map is None and LATE_PLACEMENT else device_map
 
     update_torch_dtype = update_dtype  # transformers 4's name
 
@@ -104,9 +109,9 @@ class Qfp8HfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if self.pre_quantized:
             self._open_checkpoint(model, checkpoint_files)
-            if WeightConverter is not None:  # transformers 5 (4 asks update_unexpected_keys)
-                # The checkpoint's own names (weight_scale, per-expert tensors...) are qfp8's loader's to map.
-                model._keys_to_ignore_on_load_unexpected = {".*"}
+            # The checkpoint's own names (weight_scale, per-expert tensors...) are qfp8's loader's to map: none is
+            # reported as unexpected.
+            model._keys_to_ignore_on_load_unexpected = {".*"} if LATE_PLACEMENT else [".*"]
             return model
         config = self.quantization_config
         patterns = config.exclude_argument()
@@ -146,6 +151,13 @@ class Qfp8HfQuantizer(HfQuantizer):
             )
         check_checkpoint_agrees(self.quantization_config, self.plan, folder)
 
+    def _load_checkpoint(self, model) -> None:
+        if self.checkpoint is None:
+            return  # loaded already
+        _mark_initialized(model)
+        loader.load_checkpoint_into(model, self.checkpoint, self.plan)
+        self.checkpoint = None
+
     # ------------------------------------------------------------ while loading
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         if self.pre_quantized:
@@ -156,9 +168,12 @@ class Qfp8HfQuantizer(HfQuantizer):
     check_quantized_param = param_needs_quantization  # transformers 4.5x's name
 
     def create_quantized_param(self, model, param_value, param_name, *args, **kwargs):
-        """transformers 4: one tensor read from the checkpoint."""
+        """transformers 4: one tensor read from the checkpoint (pre-quantized: the first one loads them all, through
+        qfp8's loader, once transformers has initialized what the checkpoint lacks)."""
         if not self.pre_quantized:
             self.quantize_weight(model, param_name, param_value)
+        elif self.checkpoint is not None:
+            self._load_checkpoint(model)
 
     def get_quantize_ops(self):
         return _QuantizeOp(self)
@@ -174,16 +189,20 @@ class Qfp8HfQuantizer(HfQuantizer):
     def get_weight_conversions(self):
         return []
 
-    def update_missing_keys(self, model, missing_keys, prefix):  # transformers 4
+    # transformers 4, pre-quantized: it loads one stored float tensor (its first, create_quantized_param, loads the
+    # whole checkpoint through qfp8's loader), after it has initialized the model's missing tensors (none); the
+    # other stored tensors count as unexpected, which keeps them out of its loading (and out of its report).
+    def update_expected_keys(self, model, expected_keys, loaded_keys):
+        if not self.pre_quantized:
+            return expected_keys
+        stored = set(loaded_keys)
+        first = next((key for key in expected_keys if key in stored), None)
+        return expected_keys if first is None else [first]
+
+    def update_missing_keys(self, model, missing_keys, prefix):
         if self.pre_quantized:
             return []
         return [key for key in missing_keys if key.rpartition(".")[0] not in self.targets]
-
-    def update_unexpected_keys(self, model, unexpected_keys, *args, **kwargs):  # transformers 4
-        return [] if self.pre_quantized else unexpected_keys
-
-    def update_expected_keys(self, model, expected_keys, loaded_keys):  # transformers 4
-        return expected_keys
 
     def quantize_weight(self, model, param_name: str, value: torch.Tensor) -> None:
         """Quantizes the float weight ``param_name`` as it is read: a QLinear, kept aside until loading is done."""
@@ -195,17 +214,18 @@ class Qfp8HfQuantizer(HfQuantizer):
         qlinear = QLinear.from_weight(
             weight, bias, self.quantization_config.scheme(), name, self.quantization_config.accuracy, label=name
         )
-        self.quantized[name] = qlinear
+        if LATE_PLACEMENT:
+            self.quantized[name] = qlinear
+        else:
+            self._place(model, name, qlinear)
         del weight, value
         memory.release_large_frees()
 
     # ------------------------------------------------------------ after loading
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.pre_quantized:
-            _mark_initialized(model)
-            loader.load_checkpoint_into(model, self.checkpoint, self.plan)
-            self.checkpoint = self.plan = None
-        else:
+            self._load_checkpoint(model)
+        elif not self.pre_quantized:
             self._put_in_place(model)
         model.config.quantization_config = self.quantization_config
         model.qfp8_report = self.report
@@ -218,24 +238,28 @@ class Qfp8HfQuantizer(HfQuantizer):
 
     def _put_in_place(self, model) -> None:
         config = self.quantization_config
-        missing = [name for name in self.targets if name not in self.quantized]
+        missing = [name for name in self.targets if name not in self.quantized and name not in self.placed]
         if missing:
             raise ValueError(
                 f"Qfp8Config: the checkpoint holds no weight for {len(missing)} linear layer(s) to quantize: "
                 f"{', '.join(missing[:5])}"
             )
-        for name, aliases in self.targets.items():
-            qlinear = self.quantized.pop(name)
-            linear = model.get_submodule(name)
-            if linear.bias is not None:
-                qlinear.bias = nn.Parameter(linear.bias.detach().to(qlinear.orig_dtype), requires_grad=False)
-            for entry in self.report.entries:
-                if entry.name == name:
-                    entry.scheme, entry.kernel = config.scheme().describe(), qlinear.packing
-            for alias in aliases:
-                model.set_submodule(alias, qlinear)
+        for name in list(self.quantized):
+            self._place(model, name, self.quantized.pop(name))
         _set_up_attention(model, config.kv_cache, self.report, pack_heads=config.weights is not None)
         model.qfp8_scheme = config.scheme()
+
+    def _place(self, model, name: str, qlinear: QLinear) -> None:
+        """Puts ``qlinear`` where the Linear ``name`` (and its aliases) was, with the Linear's loaded bias."""
+        linear = model.get_submodule(name)
+        if linear.bias is not None and linear.bias.device.type != "meta":
+            qlinear.bias = nn.Parameter(linear.bias.detach().to(qlinear.orig_dtype), requires_grad=False)
+        for entry in self.report.entries:
+            if entry.name == name:
+                entry.scheme, entry.kernel = self.quantization_config.scheme().describe(), qlinear.packing
+        for alias in self.targets[name]:
+            model.set_submodule(alias, qlinear)
+        self.placed.add(name)
 
     # ------------------------------------------------------------ saving
     def get_state_dict_and_metadata(self, model, *args, **kwargs):
