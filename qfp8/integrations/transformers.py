@@ -140,6 +140,9 @@ class Qfp8Config(QuantizationConfigMixin):
     def to_dict(self) -> dict:
         return {"quant_method": QUANT_METHOD, **{name: getattr(self, name) for name in ARGUMENTS}}
 
+    def to_diff_dict(self) -> dict:  # transformers 4's to_json_string asks for it
+        return self.to_dict()
+
     @classmethod
     def from_dict(cls, config_dict: dict, return_unused_kwargs: bool = False, **kwargs):
         if not isinstance(config_dict, dict):
