@@ -136,4 +136,9 @@ def place_model(model: nn.Module, device_map, offload_folder: str | os.PathLike 
             raise ValueError(f"from_pretrained: device_map names module(s) the model does not have: {unknown[:5]}")
     if "disk" in device_map.values() and offload_folder is None:
         raise ValueError("from_pretrained: device_map offloads to 'disk'; pass offload_folder=<a folder for them>")
-    return dispatch_model(model, device_map=device_map, offload_dir=offload_folder)
+    model = dispatch_model(model, device_map=device_map, offload_dir=offload_folder)
+    if "disk" in device_map.values():
+        from qfp8.checkpoint.offload import offload_fp8_weights
+
+        offload_fp8_weights(model, device_map, offload_folder)  # accelerate leaves the FP8 weights (buffers) in memory
+    return model

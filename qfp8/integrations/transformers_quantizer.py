@@ -23,6 +23,7 @@ Written against the ``HfQuantizer`` hooks of transformers 4.57 and 5.x:
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from pathlib import Path
 
@@ -218,8 +219,11 @@ class Qfp8HfQuantizer(HfQuantizer):
             self.quantized[name] = qlinear
         else:
             self._place(model, name, qlinear)
+        if _file_mapped(value):
+            # A view of the memory-mapped checkpoint: its pages, read once to quantize, leave the process now
+            # (else every weight read would stay resident until loading ends).
+            loader.release_pages(value)
         del weight, value
-        memory.release_large_frees()
 
     # ------------------------------------------------------------ after loading
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -300,6 +304,16 @@ class _PassOverOp(ConversionOps if ConversionOps is not None else object):
         if missing_keys is not None:
             missing_keys.clear()
         return {}
+
+
+def _file_mapped(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory lies in a file mapping (a view of a memory-mapped checkpoint)."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return False
+    starts, ends = memory._file_mapped_ranges()
+    address = tensor.untyped_storage().data_ptr()
+    index = bisect.bisect_right(starts, address) - 1
+    return index >= 0 and address < ends[index]
 
 
 def _tied_output_linear(model) -> int | None:
