@@ -282,7 +282,7 @@ def main(argv=None) -> int:
         fp8, bf16 = memory["qfp8config"], memory["bf16"]
         print(f"Peak RSS above the imports, loading {memory['parameters'] / 1e9:.2f}B bf16 parameters")
         print(f"  {'load':<34}{'peak MB':>10}{'model MB':>10}{'peak/model':>12}")
-        for name, row in (("transformers + Qfp8Config()", fp8), ("transformers, bf16 (no quantization)", bf16)):
+        for name, row in (("transformers + Qfp8Config()", fp8), ("transformers, bf16 (mapped, unread)", bf16)):
             print(
                 f"  {name:<34}{row['peak_above_imports'] / 1e6:>10.0f}{row['model_bytes'] / 1e6:>10.0f}"
                 f"{row['ratio_to_model']:>12.2f}"
