@@ -83,7 +83,7 @@ class Qfp8Config(QuantizationConfigMixin):
         self.activation_scale = activation_scale
         self.kv_cache = str(kv_cache).removeprefix("torch.") if kv_cache is not None else None
         self.exclude = list(exclude_patterns(exclude)) if exclude is not DEFAULT_EXCLUDE else list(DEFAULT_EXCLUDE)
-        self._default_exclude = exclude is DEFAULT_EXCLUDE
+        self._default_exclude = tuple(self.exclude) == DEFAULT_EXCLUDE
         self.block_size = list(block_size) if block_size is not None else None
         self.accuracy = accuracy
         self.calibration = calibration

@@ -36,6 +36,7 @@ from qfp8.checkpoint.readers import open_checkpoint
 from qfp8.integrations.transformers import Qfp8Config
 from qfp8.library import memory
 from qfp8.nn import QLinear
+from qfp8.nn.experts import find_fused_experts
 from qfp8.quantize import (
     QuantizeReport,
     ReportEntry,
@@ -104,7 +105,11 @@ class Qfp8HfQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return False
+        return True  # adapters (peft) train over the FP8 layers: see docs/peft.md
+
+    @property
+    def is_compileable(self) -> bool:
+        return True  # generate may compile its static-cache steps, as qfp8 models compile
 
     # ------------------------------------------------------------ before loading
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
@@ -135,6 +140,14 @@ class Qfp8HfQuantizer(HfQuantizer):
             )
             if reason is None:
                 self.targets[name] = [name]
+        experts = [item.name for item in find_fused_experts(model)]
+        if experts and config.weights is not None:
+            warnings.warn(
+                f"Qfp8Config: the {len(experts)} fused MoE experts weight(s) ({experts[0]}...) load in float; to "
+                "quantize them too, load the float model and call qfp8.quantize(model)",
+                UserWarning,
+                stacklevel=2,
+            )
         return model
 
     def _open_checkpoint(self, model, checkpoint_files) -> None:
