@@ -817,10 +817,10 @@ def from_pretrained(
         raise TypeError("from_pretrained: give device or device_map, not both")
     if not isinstance(trust_remote_code, bool):
         raise TypeError(f"from_pretrained: trust_remote_code must be a bool, got {type(trust_remote_code).__name__}")
-    device_map = device_map if device_map is not None else device
-    placed = sources.single_device(device_map)
-    if placed is not None:
-        _usable_device(placed)
+    if device is not None:
+        device_map = _usable_device(device)
+    elif not isinstance(device_map, (dict, type(None))) and device_map not in sources.SINGLE_DEVICE_MAPS:
+        device_map = _usable_device(device_map)
     folder = sources.checkpoint_folder(path, revision, subfolder, token, cache_dir, local_files_only)
     checkpoint = open_checkpoint(folder)
     plan = checkpoint.plan()
