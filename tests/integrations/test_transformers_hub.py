@@ -151,6 +151,7 @@ def test_push_to_hub_of_a_qfp8_model_loads_back_from_the_hub(helpers, hub_cache,
     assert helpers.read_config(snapshot)["quantization_config"]["format"] == "float-quantized"
     assert torch.equal(helpers.logits(qfp8.from_pretrained("qfp8-test/pushed")), helpers.logits(model))
     bf16 = helpers.dtype_argument(torch.bfloat16)
-    config = qfp8.Qfp8Config().for_checkpoint("qfp8-test/pushed")
-    through_transformers = helpers.load("qfp8-test/pushed", config=config, **bf16)
+    # cache_dir named: transformers 4 reads the cache location once, when it is imported.
+    config = qfp8.Qfp8Config().for_checkpoint("qfp8-test/pushed", cache_dir=hub_cache)
+    through_transformers = helpers.load("qfp8-test/pushed", config=config, cache_dir=hub_cache, **bf16)
     assert torch.equal(helpers.logits(through_transformers), helpers.logits(model))
