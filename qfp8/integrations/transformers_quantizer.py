@@ -74,6 +74,7 @@ class Qfp8HfQuantizer(HfQuantizer):
         self.targets: dict[str, list[str]] = {}  # module name -> its aliases (a shared Linear has several)
         self.quantized: dict[str, QLinear] = {}  # made while loading, put in place after (transformers 5)
         self.placed: set[str] = set()
+        self.errors: list[str] = []  # weights refused while loading (NaN/Inf), raised after it
         self.report = QuantizeReport()
         self.checkpoint = self.plan = None
 
@@ -255,6 +256,11 @@ class Qfp8HfQuantizer(HfQuantizer):
 
     def _put_in_place(self, model) -> None:
         config = self.quantization_config
+        if self.errors:
+            raise ValueError(
+                f"Qfp8Config: {self.errors[0]}"
+                + (f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else "")
+            )
         missing = [name for name in self.targets if name not in self.quantized and name not in self.placed]
         if missing:
             raise ValueError(
@@ -300,7 +306,10 @@ class _QuantizeOp(ConversionOps if ConversionOps is not None else object):
         value = next(iter(input_dict.values()))
         if isinstance(value, list):
             (value,) = value
-        self.quantizer.quantize_weight(model, full_layer_name, value)
+        try:
+            self.quantizer.quantize_weight(model, full_layer_name, value)
+        except ValueError as error:  # transformers would log it and go on: raised once loading is done
+            self.quantizer.errors.append(str(error))
         if missing_keys is not None:
             missing_keys.discard(full_layer_name)
         return {}

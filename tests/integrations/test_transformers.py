@@ -226,6 +226,14 @@ def test_a_checkpoint_qfp8_cannot_read_names_the_file(helpers, tmp_path):
         helpers.load(tmp_path / "int", config=qfp8.Qfp8Config().for_checkpoint(tmp_path / "int"))
 
 
+def test_a_weight_fp8_cannot_hold_is_refused_naming_the_module(helpers, float_checkpoint):
+    state = safetensors.torch.load_file(float_checkpoint / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    safetensors.torch.save_file(state, float_checkpoint / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"module 'model\.layers\.1\.mlp\.up_proj'.*NaN/Inf"):
+        helpers.load(float_checkpoint, quantization_config=qfp8.Qfp8Config())
+
+
 def test_for_checkpoint_of_a_float_checkpoint_points_to_quantization_config(float_checkpoint):
     with pytest.raises(ValueError, match=r"no quantization_config .*quantization_config=Qfp8Config"):
         qfp8.Qfp8Config().for_checkpoint(float_checkpoint)
