@@ -16,9 +16,11 @@ Speed: a smaller model (SmolLM2-135M's shapes, random weights) is loaded three
 ways, all three resident: transformers + ``Qfp8Config`` from the float
 checkpoint, ``qfp8.from_pretrained`` of the checkpoint that model saves, and
 transformers + ``Qfp8Config().for_checkpoint`` of that checkpoint. Each round
-runs every variant once, interleaved: a prompt of ``--prompt-len`` tokens,
-then ``--steps`` one-token steps with a fresh dynamic cache; the table gives
-the median time per step and the median of each round's ratio to ``qfp8.from_pretrained``.
+restarts every variant's dynamic cache after a prompt of ``--prompt-len``
+tokens, then times ``--steps`` one-token steps, interleaved step by step
+(A, B, C, A, B, C...), so that on a shared machine the steps compared ran
+side by side. The table gives the median wall and process CPU time per step,
+and the median of the per-step ratios to ``qfp8.from_pretrained``.
 
     python bench/load.py                          # 1B memory, SmolLM2-shaped speed
     python bench/load.py --quick --json out.json  # CI: tiny shapes, seconds
@@ -198,56 +200,83 @@ def bench_memory(sizes: dict, threads: int) -> dict:
 # ------------------------------------------------------------------ speed
 
 
-def decode_steps(model, prompt: torch.Tensor, steps: int) -> float:
-    """Seconds per one-token step after a prompt, with a fresh dynamic cache."""
+class Decoder:
+    """One variant's greedy decode with its own dynamic cache, a step at a time."""
+
+    def __init__(self, model, prompt: torch.Tensor):
+        import transformers
+
+        self.model, self.prompt = model, prompt
+        self.cache_argument = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+        self.restart()
+
+    def restart(self) -> None:
+        import transformers
+
+        self.cache = {self.cache_argument: transformers.DynamicCache()}
+        with torch.no_grad():
+            self.token = self.model(self.prompt, use_cache=True, **self.cache).logits[:, -1:].argmax(-1)
+
+    def step(self) -> tuple[float, float]:
+        """(wall seconds, process CPU seconds) of one one-token step."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        with torch.no_grad():
+            self.token = self.model(self.token, use_cache=True, **self.cache).logits[:, -1:].argmax(-1)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def load_three_ways(sizes: dict, folder: Path) -> dict:
     import transformers
 
-    name = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
-    cache = {name: transformers.DynamicCache()}
-    with torch.no_grad():
-        out = model(prompt, use_cache=True, **cache)
-        token = out.logits[:, -1:].argmax(-1)
-        start = time.perf_counter()
-        for _ in range(steps):
-            out = model(token, use_cache=True, **cache)
-            token = out.logits[:, -1:].argmax(-1)
-        return (time.perf_counter() - start) / steps
+    write_checkpoint(sizes, folder / "float")
+    variants = {}
+    variants["transformers + Qfp8Config"] = transformers.AutoModelForCausalLM.from_pretrained(
+        folder / "float", quantization_config=qfp8.Qfp8Config(), dtype=torch.bfloat16
+    ).eval()
+    variants["transformers + Qfp8Config"].save_pretrained(folder / "fp8")
+    variants["qfp8.from_pretrained"] = qfp8.from_pretrained(folder / "fp8", dtype=torch.bfloat16)
+    config = qfp8.Qfp8Config().for_checkpoint(folder / "fp8")
+    variants["transformers + for_checkpoint"] = transformers.AutoModelForCausalLM.from_pretrained(
+        folder / "fp8", config=config, dtype=torch.bfloat16
+    ).eval()
+    return variants
 
 
 def bench_speed(sizes: dict, prompt_len: int, steps: int, rounds: int) -> list[dict]:
-    import transformers
-
+    """Each variant's one-token steps, interleaved step by step (A, B, C, A, B, C, ...): on a shared machine a
+    step's neighbours in time see the same load. Each round restarts the caches after the prompt."""
     with tempfile.TemporaryDirectory(prefix="qfp8-speed-") as scratch:
-        folder = Path(scratch)
-        write_checkpoint(sizes, folder / "float")
-        variants = {}
-        variants["transformers + Qfp8Config"] = transformers.AutoModelForCausalLM.from_pretrained(
-            folder / "float", quantization_config=qfp8.Qfp8Config(), dtype=torch.bfloat16
-        ).eval()
-        variants["transformers + Qfp8Config"].save_pretrained(folder / "fp8")
-        variants["qfp8.from_pretrained"] = qfp8.from_pretrained(folder / "fp8", dtype=torch.bfloat16)
-        config = qfp8.Qfp8Config().for_checkpoint(folder / "fp8")
-        variants["transformers + for_checkpoint"] = transformers.AutoModelForCausalLM.from_pretrained(
-            folder / "fp8", config=config, dtype=torch.bfloat16
-        ).eval()
+        variants = load_three_ways(sizes, Path(scratch))
     prompt = torch.randint(0, sizes["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(1))
     reference = "qfp8.from_pretrained"
     with torch.no_grad():
         logits = {name: model(prompt).logits for name, model in variants.items()}
-    for model in variants.values():
-        decode_steps(model, prompt, 2)  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    decoders = {name: Decoder(model, prompt) for name, model in variants.items()}
+    for decoder in decoders.values():  # warm-up
+        decoder.step()
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
-        for name, model in variants.items():
-            times[name].append(decode_steps(model, prompt, steps))
+        for decoder in decoders.values():
+            decoder.restart()
+        for _ in range(steps):
+            for name, decoder in decoders.items():
+                seconds, cpu_seconds = decoder.step()
+                wall[name].append(seconds)
+                cpu[name].append(cpu_seconds)
     rows = []
     for name in variants:
-        ratios = [t / r for t, r in zip(times[name], times[reference], strict=True)]
+        ratios = [t / r for t, r in zip(wall[name], wall[reference], strict=True)]
+        cpu_ratios = [t / r for t, r in zip(cpu[name], cpu[reference], strict=True) if r > 0]
         rows.append(
             {
                 "variant": name,
-                "step_ms": statistics.median(times[name]) * 1e3,
+                "step_ms": statistics.median(wall[name]) * 1e3,
+                "cpu_ms": statistics.median(cpu[name]) * 1e3,
+                "min_step_ms": min(wall[name]) * 1e3,
                 "ratio_to_qfp8_from_pretrained": statistics.median(ratios),
+                "cpu_ratio_to_qfp8_from_pretrained": statistics.median(cpu_ratios),
+                "steps_timed": len(ratios),
                 "same_logits_as_qfp8_from_pretrained": bool(torch.equal(logits[name], logits[reference])),
             }
         )
@@ -293,13 +322,14 @@ def main(argv=None) -> int:
         print("speed: loading the model three ways ...", file=sys.stderr)
         rows = result["speed"] = bench_speed(sizes, args.prompt_len, args.steps, args.rounds)
         print(
-            f"One-token step after a {args.prompt_len}-token prompt, {args.rounds} interleaved rounds of "
-            f"{args.steps} steps, {args.threads} threads (medians)"
+            f"One-token step after a {args.prompt_len}-token prompt, {args.rounds} rounds of {args.steps} steps "
+            f"interleaved step by step, {args.threads} threads (medians; ratios: median of per-step ratios)"
         )
-        print(f"  {'variant':<32}{'ms/step':>10}{'ratio':>8}  same logits")
+        print(f"  {'variant':<32}{'ms/step':>9}{'ratio':>8}{'CPU ms':>9}{'CPU ratio':>11}{'min ms':>9}  same logits")
         for row in rows:
             print(
-                f"  {row['variant']:<32}{row['step_ms']:>10.2f}{row['ratio_to_qfp8_from_pretrained']:>8.3f}  "
+                f"  {row['variant']:<32}{row['step_ms']:>9.2f}{row['ratio_to_qfp8_from_pretrained']:>8.3f}"
+                f"{row['cpu_ms']:>9.2f}{row['cpu_ratio_to_qfp8_from_pretrained']:>11.3f}{row['min_step_ms']:>9.2f}  "
                 f"{row['same_logits_as_qfp8_from_pretrained']}"
             )
     if args.json:

@@ -250,6 +250,10 @@ class Qfp8HfQuantizer(HfQuantizer):
         if self.quantization_config.needs_calibration and not self.pre_quantized:
             _calibrate_or_warn(model, self.quantization_config)
         self.quantization_config.calibration = None  # the data is not kept with the model
+        if getattr(model, "use_kernels", False):
+            # transformers 5 kernelizes by default: a hub kernel layer (a fused MLP, say) reads its Linears'
+            # weights itself, around qfp8's kernels (its FP8 weights then run through the reference path).
+            model.use_kernels = False
         enable_transformers_save(model)
         memory.return_freed_memory()
         return model
