@@ -250,10 +250,6 @@ class Qfp8HfQuantizer(HfQuantizer):
         if self.quantization_config.needs_calibration and not self.pre_quantized:
             _calibrate_or_warn(model, self.quantization_config)
         self.quantization_config.calibration = None  # the data is not kept with the model
-        if getattr(model, "use_kernels", False):
-            # transformers 5 kernelizes by default: a hub kernel layer (a fused MLP, say) reads its Linears'
-            # weights itself, around qfp8's kernels (its FP8 weights then run through the reference path).
-            model.use_kernels = False
         enable_transformers_save(model)
         memory.return_freed_memory()
         return model
@@ -448,10 +444,15 @@ def prepare_save(model) -> None:
 
 def enable_transformers_save(model: nn.Module) -> None:
     """Lets transformers' ``save_pretrained`` / ``push_to_hub`` of a model qfp8 quantized write the compressed-tensors
-    checkpoint ``qfp8.save_pretrained`` writes (a model around it sharing its config writes that config too)."""
+    checkpoint ``qfp8.save_pretrained`` writes (a model around it sharing its config writes that config too), and
+    undoes transformers' kernelize, whose layers would run around qfp8's kernels."""
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(type(model), "save_pretrained", None)):
         return
+    if getattr(model, "use_kernels", False):
+        # transformers 5 kernelizes what it loads by default: a hub kernel layer (a fused MLP, say) reads its
+        # Linears' weights itself, around qfp8's kernels (the FP8 weights then take the reference path).
+        model.use_kernels = False
     existing = getattr(model, "hf_quantizer", None)
     if not isinstance(existing, Qfp8HfQuantizer):
         model.hf_quantizer = Qfp8HfQuantizer(Qfp8Config(), pre_quantized=True)
