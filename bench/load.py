@@ -18,8 +18,9 @@ checkpoint, ``qfp8.from_pretrained`` of the checkpoint that model saves, and
 transformers + ``Qfp8Config().for_checkpoint`` of that checkpoint. Each round
 restarts every variant's dynamic cache after a prompt of ``--prompt-len``
 tokens, then times ``--steps`` one-token steps, interleaved step by step
-(A, B, C, A, B, C...), so that on a shared machine the steps compared ran
-side by side. The table gives the median wall and process CPU time per step,
+(A, B, C, then B, C, A, then C, A, B...: the one that runs first, after
+another model's weights went through the caches, changes), so that on a
+shared machine the steps compared ran side by side. The table gives the median wall and process CPU time per step,
 and the median of the per-step ratios to ``qfp8.from_pretrained``.
 
     python bench/load.py                          # 1B memory, SmolLM2-shaped speed
@@ -243,8 +244,8 @@ def load_three_ways(sizes: dict, folder: Path) -> dict:
 
 
 def bench_speed(sizes: dict, prompt_len: int, steps: int, rounds: int) -> list[dict]:
-    """Each variant's one-token steps, interleaved step by step (A, B, C, A, B, C, ...): on a shared machine a
-    step's neighbours in time see the same load. Each round restarts the caches after the prompt."""
+    """Each variant's one-token steps, interleaved step by step in a rotating order: on a shared machine a step's
+    neighbours in time see the same load. Each round restarts the caches after the prompt."""
     with tempfile.TemporaryDirectory(prefix="qfp8-speed-") as scratch:
         variants = load_three_ways(sizes, Path(scratch))
     prompt = torch.randint(0, sizes["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(1))
@@ -259,9 +260,11 @@ def bench_speed(sizes: dict, prompt_len: int, steps: int, rounds: int) -> list[d
     for _ in range(rounds):
         for decoder in decoders.values():
             decoder.restart()
-        for _ in range(steps):
-            for name, decoder in decoders.items():
-                seconds, cpu_seconds = decoder.step()
+        for step in range(steps):
+            names = list(decoders)
+            names = names[step % len(names) :] + names[: step % len(names)]  # each variant runs first in turn
+            for name in names:
+                seconds, cpu_seconds = decoders[name].step()
                 wall[name].append(seconds)
                 cpu[name].append(cpu_seconds)
     rows = []
