@@ -54,6 +54,15 @@ def test_quantizing_while_loading_equals_quantize_of_the_loaded_model(helpers, f
     assert len(report.quantized) == 14 and [e.name for e in report.skipped] == ["lm_head"]
 
 
+@pytest.mark.parametrize("device_map", ["auto", "cpu", {"": "cpu"}], ids=["auto", "cpu", "dict"])
+def test_a_device_map_on_one_device_loads_the_same_model(helpers, float_checkpoint, device_map):
+    bf16 = helpers.dtype_argument(torch.bfloat16)
+    plain = helpers.load(float_checkpoint, quantization_config=qfp8.Qfp8Config(), **bf16)
+    mapped = helpers.load(float_checkpoint, quantization_config=qfp8.Qfp8Config(), device_map=device_map, **bf16)
+    assert_same_fp8(mapped, plain)
+    assert torch.equal(helpers.logits(mapped), helpers.logits(plain))
+
+
 def test_a_quantization_config_dict_naming_qfp8_works(helpers, float_checkpoint):
     loaded = helpers.load(float_checkpoint, quantization_config={"quant_method": "qfp8", "weight_scale": "tensor"})
     assert len(qlinears(loaded)) == 14
