@@ -106,7 +106,7 @@ class Qfp8HfQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self) -> bool:
-        return True  # adapters (peft) train over the FP8 layers: see docs/peft.md
+        return True  # adapters (peft) train over the FP8 layers, through qfp8's autograd ops
 
     @property
     def is_compileable(self) -> bool:
