@@ -34,4 +34,7 @@ def __getattr__(name: str):
 
 
 if "transformers" in sys.modules:  # a quantization_config dict naming "qfp8" then works without touching Qfp8Config
-    from qfp8.integrations import transformers as _transformers_integration  # noqa: F401
+    try:
+        from qfp8.integrations import transformers as _transformers_integration  # noqa: F401
+    except ImportError:  # a transformers without the registration API: qfp8.Qfp8Config raises when used
+        pass
