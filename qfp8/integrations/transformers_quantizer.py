@@ -204,6 +204,10 @@ class Qfp8HfQuantizer(HfQuantizer):
     def get_weight_conversions(self):
         return []
 
+    def get_new_dtype(self, converter, param, dtype):
+        # transformers 5, pre-quantized: the stored tensors it reads are passed over; not cast on the way.
+        return None if self.pre_quantized else super().get_new_dtype(converter, param, dtype)
+
     # transformers 4, pre-quantized: it loads one stored float tensor (its first, create_quantized_param, loads the
     # whole checkpoint through qfp8's loader), after it has initialized the model's missing tensors (none); the
     # other stored tensors count as unexpected, which keeps them out of its loading (and out of its report).
