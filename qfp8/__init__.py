@@ -1,5 +1,7 @@
 """qfp8: FP8 weights and activations for PyTorch models, with fast kernels."""
 
+import sys
+
 from qfp8.checkpoint import from_pretrained, load_state_dict, save_pretrained
 from qfp8.integrations.peft import install_when_imported
 from qfp8.nn import QLinear, QuantizationScheme
@@ -15,6 +17,7 @@ __all__ = [
     "Float8WeightTensor",
     "QLinear",
     "QuantizationScheme",
+    "Qfp8Config",
     "QuantizeReport",
     "calibrate",
     "enable_fp8_kv_cache",
@@ -25,8 +28,9 @@ __all__ = [
     "save_pretrained",
 ]
 
-# Names whose module needs transformers (an optional dependency): imported on first use.
-_LAZY = {"enable_fp8_kv_cache": "qfp8.nn.kv_cache"}
+# Names imported on first use: their modules need transformers (an optional dependency), and
+# qfp8.integrations.transformers registers "qfp8" with transformers' from_pretrained when imported.
+_LAZY = {"enable_fp8_kv_cache": "qfp8.nn.kv_cache", "Qfp8Config": "qfp8.integrations.transformers"}
 
 
 def __getattr__(name: str):
@@ -35,3 +39,10 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'qfp8' has no attribute {name!r}")
+
+
+if "transformers" in sys.modules:  # a quantization_config dict naming "qfp8" then works without touching Qfp8Config
+    try:
+        from qfp8.integrations import transformers as _transformers_integration  # noqa: F401
+    except ImportError:  # a transformers without the registration API: qfp8.Qfp8Config raises when used
+        pass

@@ -21,7 +21,6 @@ from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.nn.conv import convolution_reason, is_convolution, quantize_convolution, quantizes_convolutions
 from qfp8.nn.embedding import QEmbedding, untieable_reason
 from qfp8.nn.experts import QExperts, checkpoint_parts, find_fused_experts, scheme_reason, use_fp8_experts
-from qfp8.nn.qlinear import TRANSFORMERS_SAVE_REFUSED
 
 __all__ = [
     "DEFAULT_EXCLUDE",
@@ -35,14 +34,13 @@ __all__ = [
     "QuantizeReport",
     "QuantizeResult",
     "ReportEntry",
-    "TransformersSaveRefused",
     "calibrate",
     "check_calibrated",
+    "enable_transformers_save",
     "exclude_patterns",
     "excluded_by",
     "float_linear_reason",
     "freeze",
-    "guard_transformers_save",
     "linear_class_reason",
     "other_kinds_clause",
     "other_weight_kinds",
@@ -714,7 +712,7 @@ def quantize(
         adopt_lora_layers(model)
     model.qfp8_scheme = scheme
     if report.quantized:
-        guard_transformers_save(model)
+        enable_transformers_save(model)
         # The float tensors left, if mapped from a file (transformers' loading), would keep every page
         # quantize read from it resident (see qfp8.library.memory).
         memory.copy_out_of_file_mappings(model)
@@ -779,24 +777,16 @@ def _set_up_attention(model: nn.Module, kv_cache: str | None, report: QuantizeRe
     report.attention = f"{before} -> {after}" + (f" ({what})" if what else "")
 
 
-class TransformersSaveRefused:
-    """Takes the place of a quantized transformers model's own ``save_pretrained`` (an instance attribute).
+def enable_transformers_save(model: nn.Module) -> None:
+    """Lets transformers' own ``save_pretrained`` (and ``push_to_hub``) of a quantized transformers model write the
+    compressed-tensors checkpoint :func:`qfp8.save_pretrained` writes (qfp8/integrations/transformers_quantizer.py)."""
+    if "transformers" not in sys.modules or not hasattr(model, "config"):
+        return  # not a transformers model: nothing of transformers' to hook
+    from qfp8.integrations.transformers_quantizer import enable_transformers_save as enable
 
-    transformers' writer would store the FP8 bytes without their quantization config: a folder that
-    loads back, silently, as a float model of garbage weights. ``qfp8.save_pretrained`` writes the
-    compressed-tensors checkpoint transformers and vLLM read.
-    """
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError(TRANSFORMERS_SAVE_REFUSED)
-
-
-def guard_transformers_save(model: nn.Module) -> None:
-    """Makes a quantized transformers model's ``save_pretrained`` raise, pointing to ``qfp8.save_pretrained``."""
     if type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
         model = model.get_base_model()  # a PeftModel's own save_pretrained writes the adapter alone
-    if callable(getattr(type(model), "save_pretrained", None)):
-        model.save_pretrained = TransformersSaveRefused()
+    enable(model)
 
 
 def _qlinears(model: nn.Module) -> dict[str, QLinear]:

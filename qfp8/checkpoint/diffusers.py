@@ -17,14 +17,13 @@ diffusers' own ``from_pretrained`` reads only the quantization methods of its
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from qfp8.checkpoint import loader
-from qfp8.checkpoint.readers import Checkpoint, CheckpointPlan, resolve
+from qfp8.checkpoint.readers import Checkpoint, CheckpointPlan
 from qfp8.library import memory
 
 DTYPE_KEY = "_qfp8_dtype"
@@ -49,24 +48,6 @@ def model_config_dict(model: nn.Module) -> dict | None:
     if float_dtype is not None:
         as_dict[DTYPE_KEY] = str(float_dtype).removeprefix("torch.")
     return as_dict
-
-
-def with_subfolder(path: str | os.PathLike, subfolder: str | None) -> str | os.PathLike:
-    """``path``'s ``subfolder`` (a pipeline's ``unet``, ``transformer``), resolved (a Hub repo id too) and checked;
-    without one, a local pipeline folder is refused with the names of its models' subfolders."""
-    if not subfolder:
-        if Path(path).is_dir():
-            check_pipeline_folder(Path(path))
-        return path
-    if not isinstance(subfolder, (str, os.PathLike)):
-        raise TypeError(f"from_pretrained: subfolder must be a str, got {type(subfolder).__name__}")
-    sub = Path(subfolder)
-    if sub.is_absolute() or ".." in sub.parts:
-        raise ValueError(f"from_pretrained: subfolder {str(subfolder)!r} must be a relative path inside {path}")
-    folder = resolve(path) / sub
-    if not folder.is_dir():
-        raise FileNotFoundError(f"{folder}: no such subfolder in {path}")
-    return folder
 
 
 def check_pipeline_folder(directory: Path) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from qfp8.checkpoint import config as qconfig
+from qfp8.checkpoint import sources
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames
 from qfp8.checkpoint.readers import CheckpointPlan, check_scale, check_scale_dtype, open_checkpoint
 from qfp8.checkpoint.safetensors_io import SafetensorsFile
@@ -733,7 +734,9 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
     return model
 
 
-def build_model(transformers, config, dtype: torch.dtype | None = None, bare_fallback: bool = False) -> nn.Module:
+def build_model(
+    transformers, config, dtype: torch.dtype | None = None, bare_fallback: bool = False, trust_remote_code: bool = False
+) -> nn.Module:
     """The class config.json's ``architectures`` names (a classifier, an encoder-decoder, a headless model),
     else a causal LM; with ``bare_fallback`` (the CLI, which only needs the module names), else the bare model,
     and a config none of these takes is a one-line ValueError."""
@@ -747,6 +750,8 @@ def build_model(transformers, config, dtype: torch.dtype | None = None, bare_fal
             and isinstance(config, cls.config_class)
         ):
             return cls._from_config(config, **kwargs)
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
     if not bare_fallback:
         return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
@@ -802,36 +807,59 @@ def _usable_device(device) -> torch.device:
 
 def from_pretrained(
     path: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
     *,
-    torch_dtype: torch.dtype | None = None,
-    subfolder: str | None = None,
+    torch_dtype: torch.dtype | str | None = None,
+    device_map=None,
+    revision: str | None = None,
+    subfolder: str = "",
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    trust_remote_code: bool = False,
+    offload_folder: str | os.PathLike | None = None,
 ):
     """Loads a quantized checkpoint (qfp8's, compressed-tensors, vLLM/AutoFP8 ``fp8``, block ``fp8``, quanto).
 
-    ``path`` is a folder or a Hub repo id (resolved through ``huggingface_hub``,
-    ``HF_HUB_OFFLINE`` honoured). ``dtype`` is the dtype of the model's float
-    computation (default: the config's ``torch_dtype``); ``torch_dtype`` is
-    another name for it, as transformers' ``from_pretrained`` takes both. ``subfolder``: the folder of the model
-    inside ``path`` (a diffusers pipeline's ``unet``, ``transformer``; see qfp8/checkpoint/diffusers.py).
+    Takes transformers' loading arguments: ``path`` is a folder or a Hub repo
+    id (``revision``, ``subfolder``, ``token``, ``cache_dir``,
+    ``local_files_only``; ``HF_HUB_OFFLINE`` honoured). ``dtype`` is the
+    dtype of the model's float computation (default: the config's); ``torch_dtype``
+    is another name for it. ``device`` or ``device_map``: one device, or a map
+    accelerate dispatches (``"auto"``, or module names to devices, ``"cpu"`` and
+    ``"disk"`` offload included: disk-offloaded FP8 weights go to ``offload_folder``
+    and leave memory). ``trust_remote_code`` is passed to transformers' config and model classes.
+    ``subfolder`` also picks one model of a diffusers pipeline folder (``unet``, ``transformer``).
     """
     if torch_dtype is not None:
         if dtype is not None:
             raise TypeError("from_pretrained: give dtype or torch_dtype, not both (they are one argument)")
         dtype = torch_dtype
+    if device is not None and device_map is not None:
+        raise TypeError("from_pretrained: give device or device_map, not both")
+    if not isinstance(trust_remote_code, bool):
+        raise TypeError(f"from_pretrained: trust_remote_code must be a bool, got {type(trust_remote_code).__name__}")
+    if device is not None:
+        device_map = _usable_device(device)
+    elif not isinstance(device_map, (dict, type(None))) and device_map not in sources.SINGLE_DEVICE_MAPS:
+        device_map = _usable_device(device_map)
     from qfp8.checkpoint import diffusers as diffusers_checkpoint
 
-    device = _usable_device(device)
-    checkpoint = open_checkpoint(diffusers_checkpoint.with_subfolder(path, subfolder))
+    folder = sources.checkpoint_folder(path, revision, subfolder, token, cache_dir, local_files_only)
+    if not subfolder:
+        diffusers_checkpoint.check_pipeline_folder(folder)
+    checkpoint = open_checkpoint(folder)
     plan = checkpoint.plan()
     if plan.format == "float":
         raise ValueError(
             f"{checkpoint.directory}: config.json has no quantization_config (a float checkpoint); quantize it "
-            "with `qfp8 quantize SRC DST` or qfp8.quantize(model)"
+            "with `qfp8 quantize SRC DST`, qfp8.quantize(model) or transformers' from_pretrained with "
+            "quantization_config=qfp8.Qfp8Config()"
         )
     if diffusers_checkpoint.is_diffusers_config(checkpoint.config):
-        return diffusers_checkpoint.load(checkpoint, plan, device, dtype)
+        model = diffusers_checkpoint.load(checkpoint, plan, torch.device("cpu"), dtype)
+        return sources.place_model(model, device_map, offload_folder)
     try:
         import transformers
     except ImportError as error:
@@ -844,12 +872,21 @@ def from_pretrained(
             "plain module was saved?). Build the module, qfp8.quantize it with the same scheme, then "
             "qfp8.load_state_dict(module, safetensors.torch.load_file(...))"
         )
-    config = transformers.AutoConfig.from_pretrained(checkpoint.directory)
+    config = transformers.AutoConfig.from_pretrained(checkpoint.directory, trust_remote_code=trust_remote_code)
     with contextlib.suppress(AttributeError):
         del config.quantization_config  # qfp8 does the quantization; transformers must not
     dtype = _compute_dtype(dtype, getattr(config, "dtype", None))
     with _empty_weights():
-        model = build_model(transformers, config, dtype)
+        model = build_model(transformers, config, dtype, trust_remote_code=trust_remote_code)
+    load_checkpoint_into(model, checkpoint, plan)
+    model = sources.place_model(model, device_map, offload_folder)
+    memory.return_freed_memory()  # glibc kept ~110 MB of loading's freed heap for SmolLM2 (measured)
+    return model
+
+
+def load_checkpoint_into(model: nn.Module, checkpoint, plan: CheckpointPlan) -> nn.Module:
+    """Loads ``plan`` (of ``checkpoint``) into ``model``, a transformers model built with its parameters on ``meta``:
+    its quantized linear layers become QLinear (QExperts) views of the mapped files, its float tensors are assigned."""
     schemes, state, expert_weights = checkpoint_to_model(model, plan.schemes, plan.state_dict(mmap=True))
     build_skeleton(model, schemes)
     if plan.kv_cache_dtype is not None:
@@ -860,11 +897,8 @@ def from_pretrained(
     model.qfp8_source = str(checkpoint.directory)
     model.qfp8_checkpoint_format = plan.format
     if schemes:
-        from qfp8.quantize import guard_transformers_save
+        from qfp8.quantize import enable_transformers_save  # quantize imports the checkpoint package
 
-        guard_transformers_save(model)
+        enable_transformers_save(model)
     model.eval()
-    if torch.device(device).type != "cpu":
-        model.to(device)
-    memory.return_freed_memory()  # glibc would otherwise keep loading's freed heap (about 100 MB for SmolLM2)
     return model

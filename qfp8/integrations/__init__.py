@@ -1,1 +1,5 @@
-"""Glue to other libraries, each imported only when that library is."""
+"""qfp8 inside other libraries' entry points: transformers' ``from_pretrained`` and ``save_pretrained``, peft's LoRA.
+
+Each integration imports its library, so none is imported by ``import qfp8`` for it;
+``qfp8.Qfp8Config`` imports :mod:`qfp8.integrations.transformers` when first used.
+"""

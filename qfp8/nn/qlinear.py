@@ -40,7 +40,6 @@ from qfp8.tensor import Float8ActivationTensor, Float8WeightTensor
 
 __all__ = [
     "QLinear",
-    "TRANSFORMERS_SAVE_REFUSED",
     "keep_buffer_dtypes",
     "state_spec",
     "take_expected",
@@ -180,39 +179,6 @@ def take_expected(state_dict, prefix: str, expected: dict, missing_keys: list, e
             continue
         loaded[key] = value
     return loaded
-
-
-TRANSFORMERS_SAVE_REFUSED = (
-    "this model's linear layers are FP8 (qfp8): transformers' model.save_pretrained would write their "
-    "bytes without a quantization config, which loads back as garbage weights; use "
-    "qfp8.save_pretrained(model, directory) (compressed-tensors: transformers and vLLM load it)"
-)
-
-
-def _refuse_transformers_writer(layer: nn.Module) -> None:
-    """Raises when transformers' ``save_pretrained`` asks for the state dict.
-
-    ``quantize`` replaces the ``save_pretrained`` of the model it is given;
-    this catches the call on a model around it (``qfp8.quantize(m.model)``
-    then ``m.save_pretrained``), which would write the FP8 bytes with no
-    quantization config.
-    """
-    try:
-        frame = sys._getframe(2)
-    except ValueError:  # called from a shallow stack (a thread's entry point): no save_pretrained above
-        return
-    for _ in range(64):  # save_pretrained -> state_dict, then one frame per module level
-        if frame is None:
-            return
-        if (
-            frame.f_code.co_name == "save_pretrained"
-            and frame.f_globals.get("__name__") == "transformers.modeling_utils"
-        ):
-            saved = frame.f_locals.get("self")  # the model transformers writes: refused only if it holds the layer
-            if isinstance(saved, nn.Module) and any(module is layer for module in saved.modules()):
-                raise RuntimeError(TRANSFORMERS_SAVE_REFUSED)
-            return
-        frame = frame.f_back
 
 
 def check_float_weight(weight: torch.Tensor, name: str) -> None:
@@ -831,7 +797,6 @@ class QLinear(nn.Module):
 
     # --------------------------------------------------------- state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        _refuse_transformers_writer(self)
         if _STATE_SPEC_ONLY.get():
             weight = torch.empty(self.out_features, self.in_features, dtype=self.scheme.weight_dtype, device="meta")
         else:

@@ -581,18 +581,19 @@ def test_from_pretrained_ignores_an_architectures_entry_of_another_model_type(ti
         assert torch.equal(loaded(x).logits, model(x).logits)
 
 
-def test_transformers_own_save_pretrained_is_refused_with_the_way_to_save(tiny, tmp_path):
-    """transformers' writer would store the FP8 bytes without a quantization config (garbage on reload)."""
+def test_transformers_own_save_pretrained_writes_what_qfp8_save_pretrained_writes(tiny, tmp_path, x):
+    """transformers' writer is given the compressed-tensors quantization_config (qfp8/integrations/)."""
     model = quantized_model(tiny, SCHEMES["w-channel"])
-    with pytest.raises(RuntimeError, match=r"use qfp8.save_pretrained\(model, directory\)"):
-        model.save_pretrained(tmp_path / "transformers")
-    assert not (tmp_path / "transformers").exists()
+    model.save_pretrained(tmp_path / "transformers")
     qfp8.save_pretrained(model, tmp_path / "qfp8")
-    with pytest.raises(RuntimeError, match="qfp8.save_pretrained"):
-        qfp8.from_pretrained(tmp_path / "qfp8").save_pretrained(tmp_path / "transformers")
-    float_model = tiny.model()  # a model qfp8 did not quantize keeps transformers' own
+    theirs, ours = tiny.tensors(tmp_path / "transformers"), tiny.tensors(tmp_path / "qfp8")
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[k].view(torch.uint8), ours[k].view(torch.uint8)) for k in ours)
+    with torch.no_grad():
+        assert torch.equal(qfp8.from_pretrained(tmp_path / "transformers")(x).logits, model(x).logits)
+    float_model = tiny.model()  # a model qfp8 did not quantize is written as before
     float_model.save_pretrained(tmp_path / "float")
-    assert (tmp_path / "float" / "model.safetensors").exists()
+    assert "quantization_config" not in json.loads((tmp_path / "float" / "config.json").read_text())
 
 
 def test_written_files_take_the_umask_as_open_would(tiny, tmp_path):
@@ -621,16 +622,18 @@ def test_a_failed_save_removes_the_folders_it_created(tiny, tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
-def test_transformers_save_of_a_model_around_the_quantized_one_is_refused(tiny, tmp_path):
-    """quantize(m.model) guards m.model's save_pretrained; m.save_pretrained asks the layers for their state."""
+def test_transformers_save_of_a_model_around_the_quantized_one_writes_its_quantization(tiny, tmp_path, x):
+    """quantize(m.model) puts the quantization_config on the config m.model shares with m."""
     model = tiny.model()
     qfp8.quantize(model.model)
-    with pytest.raises(RuntimeError, match=r"use qfp8.save_pretrained\(model, directory\)"):
-        model.save_pretrained(tmp_path / "transformers")
-    assert not list((tmp_path / "transformers").glob("*.safetensors"))
+    model.save_pretrained(tmp_path / "transformers")
+    config = json.loads((tmp_path / "transformers" / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "float-quantized"
     state = model.state_dict()  # a plain state_dict call still works
     assert state["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
     assert "model.layers.0.mlp.down_proj.weight_scale" in state
+    with torch.no_grad():
+        assert torch.equal(qfp8.from_pretrained(tmp_path / "transformers")(x).logits, model(x).logits)
 
 
 def test_a_compiled_or_data_parallel_wrapper_saves_the_model_inside(tiny, tmp_path, x):
