@@ -778,8 +778,15 @@ def _set_up_attention(model: nn.Module, kv_cache: str | None, report: QuantizeRe
 
 
 def enable_transformers_save(model: nn.Module) -> None:
-    """Lets transformers' own ``save_pretrained`` (and ``push_to_hub``) of a quantized transformers model write the
-    compressed-tensors checkpoint :func:`qfp8.save_pretrained` writes (qfp8/integrations/transformers_quantizer.py)."""
+    """Lets a quantized model's own ``save_pretrained`` write the compressed-tensors checkpoint
+    :func:`qfp8.save_pretrained` writes: transformers' (and ``push_to_hub``) through qfp8's transformers quantizer
+    (qfp8/integrations/transformers_quantizer.py), diffusers' by calling qfp8's writer (qfp8/checkpoint/diffusers.py)."""
+    if "diffusers" in sys.modules:
+        from qfp8.checkpoint.diffusers import enable_diffusers_save, is_diffusers_model
+
+        if is_diffusers_model(model):
+            enable_diffusers_save(model)
+            return
     if "transformers" not in sys.modules or not hasattr(model, "config"):
         return  # not a transformers model: nothing of transformers' to hook
     from qfp8.integrations.transformers_quantizer import enable_transformers_save as enable

@@ -16,6 +16,22 @@ import torch
 from qfp8.checkpoint import config as qconfig
 from qfp8.nn.scheme import QuantizationScheme
 
+__all__ = [
+    "AMX",
+    "AVX512",
+    "CpuVerdict",
+    "ONLY_ON",
+    "VLLM_CPU",
+    "VLLM_CPU_KV_CACHE",
+    "VLLM_CPU_VERSION",
+    "cpu_kind",
+    "markdown_matrix",
+    "save_warnings",
+    "serves_here",
+    "serves_on",
+    "vllm_cpu_problems",
+]
+
 VLLM_CPU_VERSION = "0.32.0"
 AMX = "amx"  # serves only on CPUs with AMX tiles (Intel Sapphire Rapids or newer)
 AVX512 = "avx512"  # serves only on x86 CPUs with AVX-512 or AMX

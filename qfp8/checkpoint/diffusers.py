@@ -26,6 +26,17 @@ from qfp8.checkpoint import loader
 from qfp8.checkpoint.readers import Checkpoint, CheckpointPlan
 from qfp8.library import memory
 
+__all__ = [
+    "DTYPE_KEY",
+    "PIPELINE_INDEX",
+    "check_pipeline_folder",
+    "enable_diffusers_save",
+    "is_diffusers_config",
+    "is_diffusers_model",
+    "load",
+    "model_config_dict",
+]
+
 DTYPE_KEY = "_qfp8_dtype"
 PIPELINE_INDEX = "model_index.json"
 
@@ -88,11 +99,32 @@ def load(checkpoint: Checkpoint, plan: CheckpointPlan, device: torch.device, dty
     model.qfp8_source = str(checkpoint.directory)
     model.qfp8_checkpoint_format = plan.format
     if schemes:
-        from qfp8.quantize import guard_transformers_save
-
-        guard_transformers_save(model)
+        enable_diffusers_save(model)
     model.eval()
     if device.type != "cpu":
         model.to(device)
     memory.return_freed_memory()
     return model
+
+
+def enable_diffusers_save(model: nn.Module) -> None:
+    """Makes diffusers' own ``model.save_pretrained(directory)`` of a quantized model write qfp8's checkpoint.
+
+    diffusers' writer would store the FP8 bytes with no quantization config (a folder that loads back as garbage
+    weights), and diffusers has no public quantizer registration to hook, so the model's ``save_pretrained`` (an
+    instance attribute) calls :func:`qfp8.save_pretrained`, which keeps the model's own config.
+    """
+    from qfp8.checkpoint.writer import save_pretrained as qfp8_save_pretrained
+
+    def save_pretrained(save_directory, is_main_process: bool = True, safe_serialization: bool = True, **kwargs):
+        if kwargs:
+            raise TypeError(
+                f"{type(model).__name__}.save_pretrained of a qfp8 model takes save_directory, is_main_process and "
+                f"safe_serialization; not {sorted(kwargs)} (qfp8.save_pretrained takes max_shard_size)"
+            )
+        if not safe_serialization:
+            raise ValueError("qfp8 writes safetensors only: safe_serialization=False is refused")
+        if is_main_process:
+            qfp8_save_pretrained(model, save_directory)
+
+    model.save_pretrained = save_pretrained

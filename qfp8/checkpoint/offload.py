@@ -20,6 +20,10 @@ from torch import nn
 
 from qfp8.nn import QLinear
 
+__all__ = [
+    "offload_fp8_weights",
+]
+
 
 def _on_disk(name: str, device_map: dict) -> bool:
     """Whether module ``name`` falls under a ``"disk"`` entry of ``device_map`` (the longest prefix decides)."""

@@ -19,6 +19,14 @@ from torch import nn
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE
 from qfp8.checkpoint.readers import resolve
 
+__all__ = [
+    "HUB_FILES",
+    "SINGLE_DEVICE_MAPS",
+    "checkpoint_folder",
+    "place_model",
+    "single_device",
+]
+
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.py", KV_ROUNDING_FILE]
 
 

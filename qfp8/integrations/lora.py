@@ -23,6 +23,11 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
 from qfp8.nn.qlinear import QLinear
 
+__all__ = [
+    "LoraQLinear",
+    "qlinear_base",
+]
+
 
 def qlinear_base(target) -> QLinear | None:
     """The QLinear that ``target`` (a module, or a peft layer around one) holds as its base, or None."""

@@ -19,6 +19,12 @@ import importlib.abc
 import importlib.util
 import sys
 
+__all__ = [
+    "adopt_lora_layers",
+    "install",
+    "install_when_imported",
+]
+
 _LORA_MODEL = "peft.tuners.lora.model"
 
 

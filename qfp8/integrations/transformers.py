@@ -30,6 +30,14 @@ from qfp8 import formats, rounding
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.quantize import DEFAULT_EXCLUDE, KV_CACHE_DTYPES, exclude_patterns
 
+__all__ = [
+    "ARGUMENTS",
+    "QUANT_METHOD",
+    "Qfp8Config",
+    "SCHEME_ARGUMENTS",
+    "register",
+]
+
 QUANT_METHOD = "qfp8"
 # quantize's arguments, as Qfp8Config keeps them (and config.json would).
 SCHEME_ARGUMENTS = ("weights", "weight_scale", "activations", "activation_scale", "kv_cache", "block_size")

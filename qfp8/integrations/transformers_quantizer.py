@@ -46,6 +46,14 @@ from qfp8.quantize import (
     linear_class_reason,
 )
 
+__all__ = [
+    "LATE_PLACEMENT",
+    "Qfp8HfQuantizer",
+    "check_checkpoint_agrees",
+    "enable_transformers_save",
+    "prepare_save",
+]
+
 try:  # transformers 5: loading runs through conversion ops
     from transformers.core_model_loading import ConversionOps, WeightConverter
 except ImportError:  # transformers 4: create_quantized_param

@@ -35,6 +35,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from qfp8 import formats
 from qfp8.library.routing import KernelRequest, select_kernel
 
+__all__ = [
+    "cached_bytes",
+    "grad_input",
+    "release",
+]
+
 
 @dataclass
 class _Packed:

@@ -40,6 +40,23 @@ from qfp8.library.routing import REFERENCE_KERNEL
 from qfp8.nn.qlinear import QLinear
 from qfp8.nn.scheme import QuantizationScheme
 
+__all__ = [
+    "GROUPED_REASON",
+    "PADDING_MODES",
+    "QCONV_CLASSES",
+    "QConv1d",
+    "QConv2d",
+    "QConvNd",
+    "conv_skeleton",
+    "convolution_class_reason",
+    "convolution_reason",
+    "is_convolution",
+    "is_transformers_conv1d",
+    "linear_from_conv1d",
+    "quantize_convolution",
+    "quantizes_convolutions",
+]
+
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 GROUPED_REASON = (
     "groups={groups}: the FP8 kernels run one matrix per layer; grouped convolutions take the reference route"

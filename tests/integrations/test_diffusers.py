@@ -95,7 +95,7 @@ def test_unet_convolutions_are_quantized_and_reloaded_from_a_pipeline_subfolder(
     assert torch.equal(loaded(**inputs).sample, out)
     with pytest.raises(ValueError, match=r"pipeline folder.*subfolder=.*unet"):
         qfp8.from_pretrained(tmp_path)
-    with pytest.raises(FileNotFoundError, match="no such subfolder"):
+    with pytest.raises(FileNotFoundError, match="has no subfolder .transformer."):
         qfp8.from_pretrained(tmp_path, subfolder="transformer")
     with pytest.raises(ValueError, match="relative path"):
         qfp8.from_pretrained(tmp_path, subfolder="../unet")
@@ -144,3 +144,22 @@ def test_calibrated_static_activations_round_trip(tmp_path):
     loaded = qfp8.from_pretrained(tmp_path)
     assert torch.equal(loaded.conv_in.input_scale, model.conv_in.input_scale)
     assert torch.equal(loaded(**inputs).sample, out)
+
+
+@torch.no_grad()
+def test_diffusers_own_save_pretrained_writes_the_qfp8_checkpoint(tmp_path):
+    model, inputs = _unet()
+    qfp8.quantize(model)
+    out = model(**inputs).sample
+    model.save_pretrained(tmp_path / "unet")  # diffusers' call, as a pipeline's save_pretrained makes it
+    config = json.loads((tmp_path / "unet" / "config.json").read_text())
+    assert config["_class_name"] == "UNet2DConditionModel"
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert torch.equal(qfp8.from_pretrained(tmp_path / "unet")(**inputs).sample, out)
+    loaded = qfp8.from_pretrained(tmp_path / "unet")
+    loaded.save_pretrained(tmp_path / "again")  # a loaded model saves the same way
+    assert torch.equal(qfp8.from_pretrained(tmp_path / "again")(**inputs).sample, out)
+    with pytest.raises(TypeError, match=r"not \['push_to_hub'\]"):
+        model.save_pretrained(tmp_path / "x", push_to_hub=True)
+    with pytest.raises(ValueError, match="safetensors only"):
+        model.save_pretrained(tmp_path / "x", safe_serialization=False)
