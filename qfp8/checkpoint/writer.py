@@ -7,8 +7,9 @@ when the model came from a folder that has them (or ``tokenizer=`` is given).
 
 Tensors are written one at a time: a QLinear's canonical FP8 ``[N, K]``
 weight is unpacked from its kernel layout only when its turn comes. Every
-file goes to a temporary name first and all are renamed at the end, so a
-failed or interrupted save leaves an older checkpoint in the folder intact.
+file goes to a staging folder beside the destination, swapped in as one step
+under a lock (:mod:`qfp8.checkpoint.atomic`): a reader finds the old
+checkpoint or the new one, whole, whenever the writer stops.
 
 Tied parameters (an ``lm_head`` sharing the embedding) are written once,
 under their first name, as transformers does; loading ties them again.
@@ -31,8 +32,9 @@ from torch import nn
 
 from qfp8 import formats
 from qfp8.checkpoint import config as qconfig
+from qfp8.checkpoint.atomic import FolderCommit
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames, split_rows
-from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, PlannedTensor, write_safetensors
+from qfp8.checkpoint.safetensors_io import PlannedTensor, write_safetensors
 from qfp8.library import memory
 from qfp8.nn import QLinear
 from qfp8.nn.embedding import QEmbedding
@@ -322,8 +324,8 @@ def write_checkpoint(
                 f"write_checkpoint: {path} is a folder (or another non-file), where the checkpoint writes its "
                 f"{name}; remove it or give another folder. Nothing was written"
             )
-    old = previous_checkpoint_files(directory)
-    with AtomicDirectoryWrite(directory) as out:
+    with FolderCommit(directory) as out:
+        old = previous_checkpoint_files(directory)
         for shard_name, shard in zip(shard_names, shards, strict=True):
             if on_tensor is not None:
                 shard = [_with_callback(entry, on_tensor) for entry in shard]
@@ -339,8 +341,7 @@ def write_checkpoint(
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, out.path_for(name))
         out.write_text("config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-        written = set(shard_names) | set(extra_files or {}) | ({INDEX_NAME} if len(shards) > 1 else set())
-        out.commit(stale=sorted(old - written))
+        out.commit(replaced=old)
     return shard_names
 
 
