@@ -28,6 +28,7 @@ from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames
 from qfp8.checkpoint.readers import CheckpointPlan, check_scale, check_scale_dtype, open_checkpoint
 from qfp8.checkpoint.safetensors_io import SafetensorsFile
+from qfp8.checkpoint.validate import check_kv_scales
 from qfp8.library import memory
 from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.nn.attention import use_packed_sdpa
@@ -424,6 +425,8 @@ def assign_state(
     placeholders, read expert by expert (see :func:`checkpoint_to_model`).
     """
     expert_weights = dict(expert_weights or {})
+    if plan is not None:
+        check_kv_scales(model, state, plan)
     with state_spec():
         expected = model.state_dict(keep_vars=True)
     unexpected = sorted(key for key in set(state) - set(expected) if not _empty_buffer_slot(model, key))
