@@ -27,6 +27,7 @@ from torch import nn
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames
 from qfp8.checkpoint.readers import CheckpointPlan, check_scale, check_scale_dtype, open_checkpoint
+from qfp8.checkpoint.remote_code import auto_config, check_flag
 from qfp8.checkpoint.safetensors_io import SafetensorsFile
 from qfp8.checkpoint.validate import check_kv_scales
 from qfp8.library import memory
@@ -714,11 +715,15 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
     return model
 
 
-def build_model(transformers, config, dtype: torch.dtype | None = None, bare_fallback: bool = False) -> nn.Module:
+def build_model(
+    transformers, config, dtype: torch.dtype | None = None, bare_fallback: bool = False, trust_remote_code: bool = False
+) -> nn.Module:
     """The class config.json's ``architectures`` names (a classifier, an encoder-decoder, a headless model),
     else a causal LM; with ``bare_fallback`` (the CLI, which only needs the module names), else the bare model,
-    and a config none of these takes is a one-line ValueError."""
+    and a config none of these takes is a one-line ValueError. The checkpoint's own code (``auto_map``) runs
+    only with ``trust_remote_code`` (see qfp8/checkpoint/remote_code.py); transformers is never left to prompt."""
     kwargs = {} if dtype is None else {"dtype": dtype}
+    auto_kwargs = {**kwargs, "trust_remote_code": trust_remote_code}
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         # Only a class made for this config: a hand-edited architectures could name another model's.
@@ -729,10 +734,10 @@ def build_model(transformers, config, dtype: torch.dtype | None = None, bare_fal
         ):
             return cls._from_config(config, **kwargs)
     if not bare_fallback:
-        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        return transformers.AutoModelForCausalLM.from_config(config, **auto_kwargs)
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
         try:
-            return auto.from_config(config, **kwargs)
+            return auto.from_config(config, **auto_kwargs)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             last = error
     first_line = str(last).strip().splitlines()[0] if str(last).strip() else type(last).__name__
@@ -787,6 +792,7 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     *,
     torch_dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
 ):
     """Loads a quantized checkpoint (qfp8's, compressed-tensors, vLLM/AutoFP8 ``fp8``, block ``fp8``, quanto).
 
@@ -794,6 +800,8 @@ def from_pretrained(
     ``HF_HUB_OFFLINE`` honoured). ``dtype`` is the dtype of the model's float
     computation (default: the config's ``torch_dtype``); ``torch_dtype`` is
     another name for it, as transformers' ``from_pretrained`` takes both.
+    ``trust_remote_code``: run the checkpoint's own Python code (``auto_map``) to build its model; without it
+    such a checkpoint is a ValueError, never a prompt (see qfp8/checkpoint/remote_code.py).
     """
     if torch_dtype is not None:
         if dtype is not None:
@@ -819,12 +827,12 @@ def from_pretrained(
             "plain module was saved?). Build the module, qfp8.quantize it with the same scheme, then "
             "qfp8.load_state_dict(module, safetensors.torch.load_file(...))"
         )
-    config = transformers.AutoConfig.from_pretrained(checkpoint.directory)
+    config = auto_config(checkpoint.directory, check_flag(trust_remote_code, "from_pretrained"))
     with contextlib.suppress(AttributeError):
         del config.quantization_config  # qfp8 does the quantization; transformers must not
     dtype = _compute_dtype(dtype, getattr(config, "dtype", None))
     with _empty_weights():
-        model = build_model(transformers, config, dtype)
+        model = build_model(transformers, config, dtype, trust_remote_code=trust_remote_code)
     schemes, state, expert_weights = checkpoint_to_model(model, plan.schemes, plan.state_dict(mmap=True))
     build_skeleton(model, schemes)
     if plan.kv_cache_dtype is not None:
