@@ -49,7 +49,13 @@ from qfp8 import formats
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE
 from qfp8.checkpoint.safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, read_json_file, refuse_pickle_message
-from qfp8.checkpoint.validate import check_config, check_kv_dtype_key, check_quanto_map, check_scale_bounds
+from qfp8.checkpoint.validate import (
+    check_config,
+    check_kv_dtype_key,
+    check_quanto_map,
+    check_scale_bounds,
+    check_unused_input_scales,
+)
 from qfp8.nn.scheme import QuantizationScheme
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -453,6 +459,7 @@ def _read_compressed_tensors(checkpoint: Checkpoint, plan: CheckpointPlan) -> No
                 raise ValueError(f"{where}: module {module!r} has static input activations but no input_scale")
             _add_scalar(checkpoint, plan, module + ".input_scale", module + ".input_scale")
     plan.kv_cache_dtype = qconfig.kv_cache_dtype(qc, where)
+    check_unused_input_scales(plan, checkpoint.where, where)
     for key in checkpoint.where:
         if key in plan.tensors or key.endswith(("_zero_point", ".input_scale")) and _module_of_any(key) in plan.schemes:
             continue

@@ -164,6 +164,26 @@ def check_scale_bounds(plan) -> None:
             )
 
 
+def check_unused_input_scales(plan, stored, where: str) -> None:
+    """ValueError when the checkpoint stores a static ``input_scale`` for a module its config quantizes otherwise
+    (dynamic or no input activations): the config and the tensors disagree, and dropping the calibrated scales
+    would run another model than the one saved (``"dynamic": "false"`` had done that)."""
+    unused = sorted(
+        module
+        for module, scheme in plan.schemes.items()
+        if scheme.activations != "static" and module + ".input_scale" in stored
+    )
+    if unused:
+        scheme = plan.schemes[unused[0]]
+        said = "no input quantization" if scheme.activations is None else f"{scheme.activations} input activations"
+        raise ValueError(
+            f"{where}: module {unused[0]!r}"
+            + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
+            + f" stores a static input_scale, but its config group says {said}; the config does not describe "
+            "these weights (a static group has input_activations dynamic: false)"
+        )
+
+
 def kv_scheme_is_static(qc: dict | None) -> bool:
     scheme = (qc or {}).get("kv_cache_scheme")
     return scheme == "static" or isinstance(scheme, dict) and not scheme.get("dynamic")
