@@ -337,25 +337,28 @@ class FolderCommit:
             )
 
     def abort(self) -> None:
+        """Removes what this write staged (under the lock)."""
         if self.in_place is not None:
             self.in_place.abort()
             self.in_place = None
         if self.staging is not None:
             shutil.rmtree(self.staging, ignore_errors=True)
             self.staging = None
-        for folder in self.created:  # only while empty: nothing of anyone else's is removed
-            with contextlib.suppress(OSError):
-                folder.rmdir()
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        failed = exc_type is not None or self.staging is not None
         try:
-            if exc_type is not None or self.staging is not None:
+            if failed:
                 self.abort()
         finally:
             self.lock.release()
+        if failed:
+            for folder in self.created:  # only while empty: nothing of anyone else's is removed
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
         return False
 
 

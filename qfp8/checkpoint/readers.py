@@ -284,6 +284,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         ):
             raise ValueError(f"{index_path}: weight_map must map tensor names to shard file names (strings)")
         names = sorted(set(weight_map.values()))
+        if not names:
+            raise ValueError(f"{index_path}: its weight_map names no tensor and no shard")
         for name in names:
             if Path(name).name != name or name in (".", ".."):  # "../other/model.safetensors" had been followed
                 raise ValueError(
