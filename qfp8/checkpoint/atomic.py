@@ -214,9 +214,8 @@ class FolderCommit:
         # The folders this write creates (innermost first): a failed write removes them again.
         self.created = [p for p in (folder.parent, *folder.parent.parents) if not p.exists()]
         folder.parent.mkdir(parents=True, exist_ok=True)
-        self.existed = folder.is_dir()
         self.swap = os.access(folder.parent, os.W_OK) and not (
-            self.existed and os.stat(folder).st_dev != os.stat(folder.parent).st_dev
+            folder.is_dir() and os.stat(folder).st_dev != os.stat(folder.parent).st_dev
         )
         lock_path = folder.parent / f".{folder.name}{LOCK_SUFFIX}" if self.swap else folder / LOCK_SUFFIX
         if not self.swap:
@@ -290,9 +289,10 @@ class FolderCommit:
             self.in_place.commit(stale=sorted(replaced - set(self.in_place.pending)))
             return
         staging, folder = self.staging, self.folder
+        existed = folder.is_dir()
         with _interrupts_deferred():
             _fault("staged")
-            if self.existed:
+            if existed:
                 _carry(folder, staging, replaced | {"config.json"})
                 os.chmod(staging, stat.S_IMODE(os.stat(folder).st_mode))
             else:
@@ -301,7 +301,7 @@ class FolderCommit:
             _fault("carried")
             follow_cwd = _cwd() == str(folder)
             old = staging
-            if not self.existed:
+            if not existed:
                 os.rename(staging, folder)
             elif not exchange(staging, folder):
                 # Two renames: the folder is absent between them (recover() puts the old one back if killed there).
@@ -312,16 +312,16 @@ class FolderCommit:
             _fsync_directory(folder.parent)
             if follow_cwd:  # the process worked in the folder: it goes on in the new one
                 os.chdir(folder)
-            self._finish(folder, old, replaced)
+            self._finish(folder, old if existed else None, replaced)
 
-    def _finish(self, folder: Path, old: Path, replaced: set[str]) -> None:
+    def _finish(self, folder: Path, old: Path | None, replaced: set[str]) -> None:
         """After the swap: the marker goes, the user's entries come over, the old generation goes. A failure
         here leaves the new checkpoint in place and the rest to the next write (see :meth:`recover`)."""
         try:
             _fault("exchanged")
             (folder / STAGED_MARKER).unlink()
             _fault("unmarked")
-            if self.existed:
+            if old is not None:
                 stuck = _move_user_entries(old, folder, replaced | {"config.json"})
                 if stuck:
                     warnings.warn(f"{old}: could not move {stuck[:5]} into {folder}; left there", stacklevel=5)

@@ -259,3 +259,31 @@ def test_a_new_folder_and_the_working_folder(gens, tmp_path, monkeypatch):
     gens.write(".", "new", "single")
     assert _snapshot(folder) == gens.refs["new", "single"]
     assert os.path.realpath(os.getcwd()) == str(folder) and os.path.exists("config.json")
+
+
+def test_without_rename_exchange_the_swap_is_two_renames(gens, tmp_path, monkeypatch):
+    from qfp8.checkpoint import atomic
+
+    folder = tmp_path / "ckpt"
+    gens.prepare(folder, "sharded")
+    monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
+    gens.finish(folder, "single")
+    # Killed between the two renames: the folder is absent and the old generation beside it; the next save
+    # puts it back first, then replaces it.
+    old = tmp_path / ".ckpt.qfp8-stage-abcd1234"
+    folder.rename(old)
+    gens.finish(folder, "sharded")
+
+
+def test_a_folder_that_cannot_be_swapped_is_replaced_in_place_with_a_warning(gens, tmp_path, monkeypatch):
+    from qfp8.checkpoint import atomic
+
+    folder = tmp_path / "ckpt"
+    gens.prepare(folder, "single")
+    monkeypatch.setattr(atomic.os, "access", lambda path, mode: False)  # as if the parent were read-only
+    with pytest.warns(UserWarning, match="is a mount point or its parent folder cannot be written"):
+        gens.write(folder, "new", "sharded")
+    assert gens.which(folder, "single", "sharded", gens.x) == "new"
+    assert (folder / "notes" / "a.txt").read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []
