@@ -4,7 +4,7 @@ quantization configs.
 Every input either loads, bit for bit, what a valid checkpoint holds, or raises ValueError/TypeError (a missing
 file: FileNotFoundError) naming the file. Headers are also checked against the safetensors library: whatever
 qfp8 reads, safetensors reads to the same bytes. ``QFP8_FUZZ_EXAMPLES`` sets the examples per target (default
-25: well under a minute in CI; 2000 for a long local run).
+100, for CI; 2000 for a long local run).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import qfp8  # noqa: E402
 from qfp8.checkpoint.readers import open_checkpoint  # noqa: E402
 from qfp8.checkpoint.safetensors_io import SafetensorsFile  # noqa: E402
 
-EXAMPLES = int(os.environ.get("QFP8_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("QFP8_FUZZ_EXAMPLES", "100"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     derandomize=True,  # seeded: the same inputs on every run
