@@ -149,3 +149,19 @@ def test_dynamic_false_as_a_string_is_refused_as_compressed_tensors_does(saved_s
         QuantizationConfig.model_validate(qc)
     with pytest.raises(ValueError, match="dynamic must be true, false or 'local'"):
         qfp8.from_pretrained(saved_static)
+
+
+@pytest.mark.parametrize("edit", ["drop", "dynamic"])
+def test_stored_static_input_scales_are_never_dropped_silently(saved_static, edit):
+    """A config that no longer says static (input_activations removed, or dynamic) while the file holds the
+    calibrated input scales: refused, rather than run without them."""
+
+    def change(config):
+        if edit == "drop":
+            _group(config)["input_activations"] = None
+        else:
+            _group(config)["input_activations"].update(dynamic=True, strategy="token")
+
+    _edit_config(saved_static, change)
+    with pytest.raises(ValueError, match=r"config\.json: module '.*' \(and \d+ more\) stores a static input_scale"):
+        qfp8.from_pretrained(saved_static)
