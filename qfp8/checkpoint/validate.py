@@ -46,7 +46,6 @@ _CHECKS = {
     "true, false or 'local'": lambda v: isinstance(v, bool) or v == "local",
     "a list of ints, or 'NxM'": lambda v: isinstance(v, str) or isinstance(v, list) and all(map(_is_int, v)),
     "a string or a JSON object": lambda v: isinstance(v, (str, dict)),
-    "an object of strings": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
 }
 
 # key -> what its value must be (null is always allowed: it means "not set")
@@ -83,7 +82,6 @@ TOP_LEVEL = {
     "model_type": _STR,
     "architectures": _STRINGS,
     "tie_word_embeddings": _BOOL,
-    "qfp8_tied_embeddings": "an object of strings",
     "quantization_config": _OBJECT,
 }
 

@@ -128,7 +128,6 @@ WRONG_TYPES = {
     "kv-dtype-list": (lambda c: c["quantization_config"].__setitem__("qfp8_kv_cache_dtype", ["float8_e5m2"]),
                       r"qfp8_kv_cache_dtype must be a string"),
     "architectures-string": (lambda c: c.__setitem__("architectures", "LlamaForCausalLM"), r"architectures must be a list"),
-    "tied-list": (lambda c: c.__setitem__("qfp8_tied_embeddings", ["x"]), r"qfp8_tied_embeddings must be an object"),
 }  # fmt: skip
 
 
