@@ -41,6 +41,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -51,12 +52,17 @@ import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
+from qfp8.checkpoint.naming import KV_ROUNDING_FILE
 from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, _interrupts_deferred, is_temporary_file
 
 STAGED_MARKER = ".qfp8-staged"  # in a staging folder: it has not been swapped in (removed right after the swap)
 LOCK_SUFFIX = ".qfp8-lock"
 COMMIT_STEPS = ("staged", "carried", "exchanged", "unmarked", "merged", "removing")
 _RENAME_EXCHANGE = 2
+INDEX_NAME = "model.safetensors.index.json"
+# Names of the weight files a checkpoint save writes (ours and transformers'): only these, and the shards an
+# existing index names, are an older checkpoint's, to be replaced; other files in the folder are the user's.
+CHECKPOINT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
 
 
 class FolderInUseError(ValueError):
@@ -142,6 +148,28 @@ class FolderLock:
             os.unlink(self.path)
         os.close(self.fd)
         self.fd = None
+
+
+def previous_checkpoint_files(directory: Path) -> set[str]:
+    """The files of a checkpoint saved in ``directory`` before: its index, the shards it names, model weight files.
+
+    Other files (a user's ``model_backup.safetensors``) are not the checkpoint's and are left alone.
+    """
+    if not directory.is_dir():
+        return set()
+    found = {p.name for p in directory.iterdir() if CHECKPOINT_FILE.match(p.name) or p.name == KV_ROUNDING_FILE}
+    index = directory / INDEX_NAME
+    if index.is_file():
+        found.add(INDEX_NAME)
+        try:
+            shards = json.loads(index.read_text())["weight_map"].values()
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            shards = []  # not a readable index: only the names above are known to be a checkpoint's
+        for name in shards:
+            # Plain file names only: an index must not send the removal outside the folder.
+            if isinstance(name, str) and name.endswith(".safetensors") and Path(name).name == name:
+                found.add(name)
+    return found
 
 
 def _staging_pattern(folder: Path) -> re.Pattern:
@@ -239,8 +267,6 @@ class FolderCommit:
 
     def recover(self) -> None:
         """Finishes what a killed write into this folder left (under the lock: no live writer owns it)."""
-        from qfp8.checkpoint.writer import previous_checkpoint_files
-
         folder = self.folder
         with contextlib.suppress(FileNotFoundError):
             (folder / STAGED_MARKER).unlink()  # killed right after its swap: the folder is the new checkpoint
@@ -277,8 +303,6 @@ class FolderCommit:
         """Swaps the new files in; ``replaced``: the old checkpoint's files (not carried into the new folder)."""
         replaced = set(replaced)
         if self.in_place is not None:
-            from qfp8.checkpoint.writer import previous_checkpoint_files
-
             if previous_checkpoint_files(self.folder) or (self.folder / "config.json").exists():
                 warnings.warn(
                     f"{self.folder} is a mount point or its parent folder cannot be written: the checkpoint is "

@@ -32,7 +32,7 @@ from torch import nn
 
 from qfp8 import formats
 from qfp8.checkpoint import config as qconfig
-from qfp8.checkpoint.atomic import FolderCommit
+from qfp8.checkpoint.atomic import FolderCommit, previous_checkpoint_files
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames, split_rows
 from qfp8.checkpoint.safetensors_io import PlannedTensor, write_safetensors
 from qfp8.library import memory
@@ -49,9 +49,6 @@ CARRIED_FILES = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|chat_template\..*|"
     r"generation_config\.json|preprocessor_config\.json)$"
 )
-# Names of the weight files a checkpoint save writes (ours and transformers'): only these, and the shards an
-# existing index names, are an older checkpoint's, to be replaced; other files in the folder are the user's.
-CHECKPOINT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -367,28 +364,6 @@ def check_output_directory(directory: str | os.PathLike, caller: str) -> Path:
         where = "" if existing == directory else f" (it would be created in {existing})"
         raise ValueError(f"{caller} {directory}: cannot write there{where}: {error.strerror or error}") from None
     return directory
-
-
-def previous_checkpoint_files(directory: Path) -> set[str]:
-    """The files of a checkpoint saved in ``directory`` before: its index, the shards it names, model weight files.
-
-    Other files (a user's ``model_backup.safetensors``) are not the checkpoint's and are left alone.
-    """
-    if not directory.is_dir():
-        return set()
-    found = {p.name for p in directory.iterdir() if CHECKPOINT_FILE.match(p.name) or p.name == KV_ROUNDING_FILE}
-    index = directory / INDEX_NAME
-    if index.is_file():
-        found.add(INDEX_NAME)
-        try:
-            shards = json.loads(index.read_text())["weight_map"].values()
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-            shards = []  # not a readable index: only the names above are known to be a checkpoint's
-        for name in shards:
-            # Plain file names only: an index must not send the removal outside the folder.
-            if isinstance(name, str) and name.endswith(".safetensors") and Path(name).name == name:
-                found.add(name)
-    return found
 
 
 def _with_callback(entry: PlannedTensor, callback) -> PlannedTensor:
