@@ -117,8 +117,10 @@ def cache_dir() -> Path:
 def _from_gguf(gguf: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
+    )
     return model, tokenizer
 
 
@@ -185,8 +187,9 @@ def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch
             raise ValueError(f"{path}: no config.json and {len(ggufs)} .gguf files; expected an HF folder")
         model, tokenizer = _from_gguf(ggufs[0])
         return model.to(dtype).eval(), tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # No code from the folder runs (auto_map): see qfp8/checkpoint/remote_code.py.
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     return model.eval(), tokenizer
 
 

@@ -226,8 +226,8 @@ def build_quantization_config(
         "global_compression_ratio": None,
         "sparsity_config": {},
     }
-    if kv_cache_dtype is not None and kv_cache_dtype != torch.float8_e4m3fn:
-        config[KV_DTYPE_KEY] = _dtype_name(kv_cache_dtype)
+    if kv_cache_dtype is not None and (kv_cache_dtype != torch.float8_e4m3fn or qfp8_only):
+        config[KV_DTYPE_KEY] = _dtype_name(kv_cache_dtype)  # a qfp8_method config always names it
     token_mse = [
         name for name, s in schemes_of.items() if s.activations == "dynamic" and s.activation_scale == "token-mse"
     ]

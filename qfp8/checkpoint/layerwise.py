@@ -112,9 +112,9 @@ def load_tokenizer(directory: Path):
             f"{directory}: no tokenizer ({', '.join(TOKENIZER_FILES)}) to tokenize the calibration text; add the "
             "tokenizer files to the checkpoint folder or pass token ids (--calibration-ids FILE, calibration_ids=)"
         )
-    import transformers
+    from qfp8.checkpoint.remote_code import auto_tokenizer
 
-    return transformers.AutoTokenizer.from_pretrained(directory)
+    return auto_tokenizer(directory)
 
 
 def text_token_ids(tokenizer, text: str | None = None, tokens: int = DEFAULT_TOKENS) -> torch.Tensor:
@@ -176,10 +176,11 @@ def _meta_model(directory: Path, dtype: torch.dtype):
     import transformers
 
     from qfp8.checkpoint.loader import _empty_weights
+    from qfp8.checkpoint.remote_code import auto_config
 
-    config = transformers.AutoConfig.from_pretrained(directory)
+    config = auto_config(directory)
     with _empty_weights():  # parameters on meta; rotary frequencies computed for real
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     model.tie_weights()  # accelerate's empty weights leave a tied lm_head its own meta Parameter
     base = getattr(model, "model", None)
     parts = ("embed_tokens", "layers", "norm", "rotary_emb")

@@ -28,7 +28,9 @@ from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint import sources
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames
 from qfp8.checkpoint.readers import CheckpointPlan, check_scale, check_scale_dtype, open_checkpoint
+from qfp8.checkpoint.remote_code import auto_config, check_flag
 from qfp8.checkpoint.safetensors_io import SafetensorsFile
+from qfp8.checkpoint.validate import check_kv_scales
 from qfp8.library import memory
 from qfp8.nn import QLinear, QuantizationScheme
 from qfp8.nn.attention import use_packed_sdpa
@@ -447,6 +449,8 @@ def assign_state(
     placeholders, read expert by expert (see :func:`checkpoint_to_model`).
     """
     expert_weights = dict(expert_weights or {})
+    if plan is not None:
+        check_kv_scales(model, state, plan)
     with state_spec():
         expected = model.state_dict(keep_vars=True)
     unexpected = sorted(key for key in set(state) - set(expected) if not _empty_buffer_slot(model, key))
@@ -739,8 +743,10 @@ def build_model(
 ) -> nn.Module:
     """The class config.json's ``architectures`` names (a classifier, an encoder-decoder, a headless model),
     else a causal LM; with ``bare_fallback`` (the CLI, which only needs the module names), else the bare model,
-    and a config none of these takes is a one-line ValueError."""
+    and a config none of these takes is a one-line ValueError. The checkpoint's own code (``auto_map``) runs
+    only with ``trust_remote_code`` (see qfp8/checkpoint/remote_code.py); transformers is never left to prompt."""
     kwargs = {} if dtype is None else {"dtype": dtype}
+    auto_kwargs = {**kwargs, "trust_remote_code": trust_remote_code}
     for name in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, name, None)
         # Only a class made for this config: a hand-edited architectures could name another model's.
@@ -750,13 +756,11 @@ def build_model(
             and isinstance(config, cls.config_class)
         ):
             return cls._from_config(config, **kwargs)
-    if trust_remote_code:
-        kwargs["trust_remote_code"] = True
     if not bare_fallback:
-        return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        return transformers.AutoModelForCausalLM.from_config(config, **auto_kwargs)
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
         try:
-            return auto.from_config(config, **kwargs)
+            return auto.from_config(config, **auto_kwargs)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             last = error
     first_line = str(last).strip().splitlines()[0] if str(last).strip() else type(last).__name__
@@ -829,7 +833,8 @@ def from_pretrained(
     is another name for it. ``device`` or ``device_map``: one device, or a map
     accelerate dispatches (``"auto"``, or module names to devices, ``"cpu"`` and
     ``"disk"`` offload included: disk-offloaded FP8 weights go to ``offload_folder``
-    and leave memory). ``trust_remote_code`` is passed to transformers' config and model classes.
+    and leave memory). ``trust_remote_code``: run the checkpoint's own Python code (``auto_map``) to build its
+    model; without it such a checkpoint is a ValueError, never a prompt (see qfp8/checkpoint/remote_code.py).
     ``subfolder`` also picks one model of a diffusers pipeline folder (``unet``, ``transformer``).
     """
     if torch_dtype is not None:
@@ -872,7 +877,7 @@ def from_pretrained(
             "plain module was saved?). Build the module, qfp8.quantize it with the same scheme, then "
             "qfp8.load_state_dict(module, safetensors.torch.load_file(...))"
         )
-    config = transformers.AutoConfig.from_pretrained(checkpoint.directory, trust_remote_code=trust_remote_code)
+    config = auto_config(checkpoint.directory, check_flag(trust_remote_code, "from_pretrained"))
     with contextlib.suppress(AttributeError):
         del config.quantization_config  # qfp8 does the quantization; transformers must not
     dtype = _compute_dtype(dtype, getattr(config, "dtype", None))

@@ -37,7 +37,6 @@ its tensor is stored. Tensors are fetched one at a time, memory-mapped
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -49,7 +48,14 @@ import torch
 from qfp8 import formats
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE
-from qfp8.checkpoint.safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle_message
+from qfp8.checkpoint.safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, read_json_file, refuse_pickle_message
+from qfp8.checkpoint.validate import (
+    check_config,
+    check_kv_dtype_key,
+    check_quanto_map,
+    check_scale_bounds,
+    check_unused_input_scales,
+)
 from qfp8.nn.scheme import QuantizationScheme
 
 __all__ = [
@@ -244,6 +250,7 @@ def _check_config_types(config, config_path: Path) -> None:
             raise ValueError(f"{config_path}: {key} {value!r} is not a torch dtype name (such as 'bfloat16')")
     qc = config.get("quantization_config")
     if qc is None:
+        check_config(config, config_path)
         return
     if not isinstance(qc, dict):
         raise ValueError(f"{config_path}: quantization_config must be a JSON object, got {type(qc).__name__}")
@@ -272,6 +279,7 @@ def _check_config_types(config, config_path: Path) -> None:
         for part in ("weights", "input_activations", "output_activations"):
             if group.get(part) is not None and not isinstance(group[part], dict):
                 raise ValueError(f"{config_path}: {where}.{part} must be a JSON object or null")
+    check_config(config, config_path)
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -279,23 +287,22 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     directory = resolve(path)
     config_path = directory / "config.json"
     config = {}
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{config_path}: not valid JSON: {error}") from None
+    if os.path.lexists(config_path):
+        config = read_json_file(config_path, "config.json")
     _check_config_types(config, config_path)
     index_path = directory / INDEX_NAME
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{index_path}: not a safetensors index (no weight_map): {error}") from None
+    if os.path.lexists(index_path):
+        index = read_json_file(index_path, "safetensors index")
+        if not isinstance(index, dict) or "weight_map" not in index:
+            raise ValueError(f"{index_path}: not a safetensors index (no weight_map)")
+        weight_map = index["weight_map"]
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
             raise ValueError(f"{index_path}: weight_map must map tensor names to shard file names (strings)")
         names = sorted(set(weight_map.values()))
+        if not names:
+            raise ValueError(f"{index_path}: its weight_map names no tensor and no shard")
         for name in names:
             if Path(name).name != name or name in (".", ".."):  # no "../other/model.safetensors"
                 raise ValueError(
@@ -304,9 +311,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                 )
             if Path(name).suffix in PICKLE_SUFFIXES:
                 raise ValueError(refuse_pickle_message(directory / name))
-            if not (directory / name).is_file():
+            if not os.path.lexists(directory / name):
                 raise FileNotFoundError(f"{index_path} lists shard {name!r}, which is not in {directory}")
-    elif (directory / SINGLE_NAME).is_file():
+    elif os.path.lexists(directory / SINGLE_NAME):
         names = [SINGLE_NAME]  # as transformers reads it: other *.safetensors beside it are not the checkpoint's
         weight_map = None
     else:
@@ -334,13 +341,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                 raise ValueError(f"{index_path}: tensor {key!r} is mapped to {name}, which does not hold it")
     quanto_map = quanto_map_name = None
     for name in QUANTO_QMAP_NAMES:
-        if (directory / name).is_file():
-            try:
-                quanto_map, quanto_map_name = json.loads((directory / name).read_text()), name
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{directory / name}: not valid JSON: {error}") from None
-            if not isinstance(quanto_map, dict):
-                raise ValueError(f"{directory / name}: an optimum-quanto map must be an object of module names")
+        if os.path.lexists(directory / name):
+            quanto_map, quanto_map_name = read_json_file(directory / name, "optimum-quanto map"), name
+            check_quanto_map(quanto_map, directory / name)
             break
     return Checkpoint(directory, config, files, where, quanto_map, quanto_map_name)
 
@@ -475,6 +478,7 @@ def _read_compressed_tensors(checkpoint: Checkpoint, plan: CheckpointPlan) -> No
                 raise ValueError(f"{where}: module {module!r} has static input activations but no input_scale")
             _add_scalar(checkpoint, plan, module + ".input_scale", module + ".input_scale")
     plan.kv_cache_dtype = qconfig.kv_cache_dtype(qc, where)
+    check_unused_input_scales(plan, checkpoint.where, where)
     for key in checkpoint.where:
         if key in plan.tensors or key.endswith(("_zero_point", ".input_scale")) and _module_of_any(key) in plan.schemes:
             continue
@@ -613,5 +617,8 @@ def _read_float(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
 
 
 def _check_plan(checkpoint: Checkpoint, plan: CheckpointPlan) -> None:
+    check_scale_bounds(plan)
+    if checkpoint.quantization_config:
+        check_kv_dtype_key(checkpoint.quantization_config, plan, checkpoint.directory / "config.json")
     for key in [key for key in plan.tensors if key.endswith(IGNORED_SUFFIXES)]:
         del plan.tensors[key]

@@ -25,6 +25,7 @@ import math
 import os
 import re
 import signal
+import stat
 import struct
 import tempfile
 import threading
@@ -91,10 +92,7 @@ class SafetensorsFile:
         self.path = Path(path)
         if self.path.suffix in PICKLE_SUFFIXES:
             raise ValueError(refuse_pickle_message(self.path))
-        try:
-            self.size = self.path.stat().st_size
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{self.path}: no such safetensors file") from None
+        self.size = check_regular_file(self.path, "safetensors file")
         with open(self.path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -108,28 +106,28 @@ class SafetensorsFile:
                     "the file is truncated or not safetensors"
                 )
             raw = f.read(header_len)
-        try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{self.path}: corrupt safetensors header ({header_len} bytes): {error}") from None
-        if not isinstance(header, dict):
-            raise ValueError(f"{self.path}: corrupt safetensors header: expected a JSON object")
+        header = parse_header(raw, self.path)
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self.data_start = 8 + header_len
         self.tensors: dict[str, TensorInfo] = {}
         for name, entry in header.items():
             self.tensors[name] = self._check_entry(name, entry)
+        self._check_layout()
 
     def _check_entry(self, name: str, entry) -> TensorInfo:
-        try:
-            dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{self.path}: tensor {name!r} has a corrupt header entry {entry!r}") from None
-        if dtype_name not in DTYPES:
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise ValueError(f"{self.path}: tensor {name!r} has a corrupt header entry {entry!r}")
+        dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
             raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
+        if not isinstance(shape, list) or not all(_is_count(size) for size in shape):
+            raise ValueError(f"{self.path}: tensor {name!r} has shape {shape!r}; expected a list of ints >= 0")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+            raise ValueError(f"{self.path}: tensor {name!r} has data_offsets {offsets!r}; expected [begin, end] ints")
+        begin, end = offsets
         dtype = DTYPES[dtype_name]
         expected = math.prod(shape) * dtype.itemsize
-        if end - begin != expected or begin < 0:
+        if end - begin != expected:
             raise ValueError(
                 f"{self.path}: tensor {name!r} {dtype_name} {list(shape)} needs {expected} bytes, "
                 f"its header gives {end - begin} (offsets {begin}..{end})"
@@ -140,6 +138,24 @@ class SafetensorsFile:
                 f"past the end of the file ({self.size} bytes); the file is truncated"
             )
         return TensorInfo(name, dtype, tuple(shape), self.data_start + begin, self.data_start + end)
+
+    def _check_layout(self) -> None:
+        """As safetensors requires: the tensors tile the data area, in some order, with no gap, overlap (two
+        names for one region) or trailing byte."""
+        position = self.data_start
+        for info in sorted(self.tensors.values(), key=lambda t: (t.begin, t.end)):
+            if info.begin != position:
+                what = "overlaps the tensor before it" if info.begin < position else "leaves a gap before it"
+                raise ValueError(
+                    f"{self.path}: tensor {info.name!r} starts at data offset {info.begin - self.data_start}, "
+                    f"expected {position - self.data_start}: it {what} (safetensors tensors tile the data)"
+                )
+            position = info.end
+        if position != self.size:
+            raise ValueError(
+                f"{self.path}: {self.size - position} byte(s) after the last tensor; a safetensors file ends "
+                "with its last tensor"
+            )
 
     def keys(self) -> list[str]:
         return list(self.tensors)
@@ -176,6 +192,83 @@ class SafetensorsFile:
         if not buffer:
             return torch.empty(info.shape, dtype=info.dtype)
         return torch.frombuffer(buffer, dtype=torch.uint8).view(info.dtype).reshape(info.shape)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_regular_file(path: Path, what: str) -> int:
+    """The size of ``path``; FileNotFoundError if missing, ValueError naming it if it is a folder, FIFO, device
+    or socket (a FIFO would block the first read forever): checked before it is opened."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such {what}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket"}.get(
+            stat.S_IFMT(info.st_mode), "a device"
+        )
+        raise ValueError(f"{path} is {kind}, not a {what}")
+    return info.st_size
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_keys(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice")
+        seen[key] = value
+    return seen
+
+
+def parse_json(raw: bytes, path: Path, what: str):
+    """Strict JSON from ``raw``: UTF-8, no duplicate keys, no NaN/Infinity, bounded nesting; ValueError naming
+    ``path`` otherwise."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: {what} is not UTF-8 text: {error}") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError(f"{path}: {what} is nested too deeply") from None
+    except ValueError as error:  # json.JSONDecodeError is one
+        raise ValueError(f"{path}: {what} is not valid JSON: {error}") from None
+
+
+MAX_JSON_BYTES = 256 * 1024 * 1024
+
+
+def read_json_file(path: str | os.PathLike, what: str = "JSON file"):
+    """A checkpoint's JSON file (config.json, an index, a quanto map), strictly parsed (see :func:`parse_json`);
+    special files are refused before they are opened."""
+    path = Path(path)
+    size = check_regular_file(path, what)
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: {size} bytes, larger than any {what} ({MAX_JSON_BYTES} bytes at most)")
+    with open(path, "rb") as f:
+        return parse_json(f.read(), path, what)
+
+
+def parse_header(raw: bytes, path: Path) -> dict:
+    """A safetensors header, parsed and checked as safetensors does: a UTF-8 JSON object, with
+    ``__metadata__`` (if any) a map of strings to strings."""
+    if not raw.startswith(b"{"):
+        raise ValueError(f"{path}: corrupt safetensors header: it must start with '{{'")
+    header = parse_json(raw, path, "its safetensors header")
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header: expected a JSON object")
+    metadata = header.get("__metadata__")
+    if metadata is not None and (
+        not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise ValueError(f"{path}: safetensors __metadata__ must map strings to strings, got {metadata!r:.200}")
+    return header
 
 
 def refuse_pickle_message(path) -> str:

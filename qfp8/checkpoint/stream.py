@@ -61,6 +61,7 @@ from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.loader import build_model
 from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.readers import open_checkpoint
+from qfp8.checkpoint.remote_code import auto_config, check_flag
 from qfp8.checkpoint.safetensors_io import PlannedTensor
 from qfp8.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -202,14 +203,14 @@ class _StoredNames:
         return self.to_checkpoint(name + ".weight").removesuffix(".weight")
 
 
-def _linear_names(config_dir: Path, stored: set[str]) -> ModelLinears:
+def _linear_names(config_dir: Path, stored: set[str], trust_remote_code: bool = False) -> ModelLinears:
     """The model's ``nn.Linear`` modules and fused experts, from a meta-device build of its class (``stored``:
     the checkpoint's tensor names)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(config_dir)
+    config = auto_config(config_dir, trust_remote_code)
     with torch.device("meta"):
-        model = build_model(transformers, config, bare_fallback=True)
+        model = build_model(transformers, config, bare_fallback=True, trust_remote_code=trust_remote_code)
     names = CheckpointNames(model)
     in_checkpoint = _StoredNames(names, stored)
     model_names, kind_reasons = {}, {}
@@ -350,6 +351,7 @@ def stream_quantize(
     calibration_tokens: int | None = None,
     calibration_batch_size: int | None = None,
     accuracy: str | None = None,
+    trust_remote_code: bool = False,
 ) -> dict:
     """Quantizes the float checkpoint ``src`` into ``dst``; returns a summary (counts and bytes).
 
@@ -401,7 +403,7 @@ def stream_quantize(
             checkpoint.config.get("vocab_size") or sys.maxsize,
             checkpoint.config.get("max_position_embeddings"),
         )
-    found = _linear_names(checkpoint.directory, set(plan.tensors))
+    found = _linear_names(checkpoint.directory, set(plan.tensors), check_flag(trust_remote_code, "stream_quantize"))
     linears, expert_parts = found.linears, found.expert_parts
     user_patterns = exclude is not DEFAULT_EXCLUDE
     exclude = exclude_patterns(exclude)
@@ -689,6 +691,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="float8_e4m3fn", choices=sorted(formats.FP8_DTYPES))
     parser.add_argument("--weight-scale", default="channel", choices=formats.WEIGHT_GRANULARITIES)
     parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the checkpoint's own Python code (config.json auto_map) to build its model; off: such a "
+        "checkpoint is refused (no prompt)",
+    )
+    parser.add_argument(
         "--block-size",
         type=int,
         nargs=2,
@@ -843,6 +851,7 @@ def run(args: argparse.Namespace) -> int:
             calibration_tokens=args.calibration_tokens,
             calibration_batch_size=args.calibration_batch_size,
             accuracy=args.accuracy,
+            trust_remote_code=args.trust_remote_code,
         )
     calibrated = (
         f", {summary['calibrated']} static scales and {summary['accuracy_weights']} accuracy-mode weights "

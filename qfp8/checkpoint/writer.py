@@ -7,8 +7,9 @@ when the model came from a folder that has them (or ``tokenizer=`` is given).
 
 Tensors are written one at a time: a QLinear's canonical FP8 ``[N, K]``
 weight is unpacked from its kernel layout only when its turn comes. Every
-file goes to a temporary name first and all are renamed at the end, so a
-failed or interrupted save leaves an older checkpoint in the folder intact.
+file goes to a staging folder beside the destination, swapped in as one step
+under a lock (:mod:`qfp8.checkpoint.atomic`): a reader finds the old
+checkpoint or the new one, whole, whenever the writer stops.
 
 Tied parameters (an ``lm_head`` sharing the embedding) are written once,
 under their first name, as transformers does; loading ties them again.
@@ -32,8 +33,9 @@ from torch import nn
 from qfp8 import formats
 from qfp8.checkpoint import compat
 from qfp8.checkpoint import config as qconfig
+from qfp8.checkpoint.atomic import FolderCommit, previous_checkpoint_files
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames, split_rows
-from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, PlannedTensor, write_safetensors
+from qfp8.checkpoint.safetensors_io import PlannedTensor, write_safetensors
 from qfp8.library import memory
 from qfp8.nn import QLinear
 from qfp8.nn.conv import QConvNd
@@ -70,9 +72,6 @@ CARRIED_FILES = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|chat_template\..*|"
     r"generation_config\.json|preprocessor_config\.json)$"
 )
-# Names of the weight files a checkpoint save writes (ours and transformers'): only these, and the shards an
-# existing index names, are an older checkpoint's, to be replaced; other files in the folder are the user's.
-CHECKPOINT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -345,8 +344,8 @@ def write_checkpoint(
                 f"write_checkpoint: {path} is a folder (or another non-file), where the checkpoint writes its "
                 f"{name}; remove it or give another folder. Nothing was written"
             )
-    old = previous_checkpoint_files(directory)
-    with AtomicDirectoryWrite(directory) as out:
+    with FolderCommit(directory) as out:
+        old = previous_checkpoint_files(directory)
         for shard_name, shard in zip(shard_names, shards, strict=True):
             if on_tensor is not None:
                 shard = [_with_callback(entry, on_tensor) for entry in shard]
@@ -362,8 +361,7 @@ def write_checkpoint(
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, out.path_for(name))
         out.write_text("config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-        written = set(shard_names) | set(extra_files or {}) | ({INDEX_NAME} if len(shards) > 1 else set())
-        out.commit(stale=sorted(old - written))
+        out.commit(replaced=old)
     return shard_names
 
 
@@ -389,28 +387,6 @@ def check_output_directory(directory: str | os.PathLike, caller: str) -> Path:
         where = "" if existing == directory else f" (it would be created in {existing})"
         raise ValueError(f"{caller} {directory}: cannot write there{where}: {error.strerror or error}") from None
     return directory
-
-
-def previous_checkpoint_files(directory: Path) -> set[str]:
-    """The files of a checkpoint saved in ``directory`` before: its index, the shards it names, model weight files.
-
-    Other files (a user's ``model_backup.safetensors``) are not the checkpoint's and are left alone.
-    """
-    if not directory.is_dir():
-        return set()
-    found = {p.name for p in directory.iterdir() if CHECKPOINT_FILE.match(p.name) or p.name == KV_ROUNDING_FILE}
-    index = directory / INDEX_NAME
-    if index.is_file():
-        found.add(INDEX_NAME)
-        try:
-            shards = json.loads(index.read_text())["weight_map"].values()
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-            shards = []  # not a readable index: only the names above are known to be a checkpoint's
-        for name in shards:
-            # Plain file names only: an index must not send the removal outside the folder.
-            if isinstance(name, str) and name.endswith(".safetensors") and Path(name).name == name:
-                found.add(name)
-    return found
 
 
 def _with_callback(entry: PlannedTensor, callback) -> PlannedTensor:

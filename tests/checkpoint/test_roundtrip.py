@@ -183,8 +183,8 @@ def test_interrupted_save_leaves_old_checkpoint(tiny, tmp_path, monkeypatch, x):
         assert torch.equal(qfp8.from_pretrained(tmp_path)(x).logits, old(x).logits)
 
 
-def test_ctrl_c_during_the_renames_waits_for_the_whole_new_checkpoint(tiny, tmp_path, monkeypatch, x):
-    """A real SIGINT arriving between the renames of the commit is delivered once every file is in place."""
+def test_ctrl_c_during_the_commit_waits_for_the_whole_new_checkpoint(tiny, tmp_path, monkeypatch, x):
+    """A real SIGINT arriving during the commit is delivered once the new checkpoint is swapped in."""
     import signal
 
     # Python's own handler, whatever the process inherited or was left with:
@@ -194,35 +194,37 @@ def test_ctrl_c_during_the_renames_waits_for_the_whole_new_checkpoint(tiny, tmp_
     # checkpoint tests alone passed either way.)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        _ctrl_c_during_the_renames(tiny, tmp_path, monkeypatch, x)
+        _ctrl_c_during_the_commit(tiny, tmp_path / "ckpt", monkeypatch, x)
     finally:
         signal.signal(signal.SIGINT, previous)
 
 
-def _ctrl_c_during_the_renames(tiny, tmp_path, monkeypatch, x):
+def _ctrl_c_during_the_commit(tiny, folder, monkeypatch, x):
     import os
     import signal
 
-    old = quantized_model(tiny, SCHEMES["w-channel"])
-    qfp8.save_pretrained(old, tmp_path)  # one model.safetensors; the new checkpoint is sharded
-    new = quantized_model(tiny, SCHEMES["w-tensor"])
-    real_replace, renamed = os.replace, []
+    from qfp8.checkpoint import atomic
 
-    def replace_then_interrupt(src, dst):
-        real_replace(src, dst)
-        renamed.append(os.path.basename(dst))
-        if len(renamed) == 1:
+    old = quantized_model(tiny, SCHEMES["w-channel"])
+    qfp8.save_pretrained(old, folder)  # one model.safetensors; the new checkpoint is sharded
+    new = quantized_model(tiny, SCHEMES["w-tensor"])
+    steps = []
+
+    def interrupt_at_the_first_step(step):
+        steps.append(step)
+        if len(steps) == 1:
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(os, "replace", replace_then_interrupt)
+    monkeypatch.setattr(atomic, "_fault", interrupt_at_the_first_step)
     with pytest.raises(KeyboardInterrupt):
-        qfp8.save_pretrained(new, tmp_path, max_shard_size="40KB")
+        qfp8.save_pretrained(new, folder, max_shard_size="40KB")
     monkeypatch.undo()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert renamed[-2:] == ["model.safetensors.index.json", "config.json"]
-    assert not (tmp_path / "model.safetensors").exists()  # the old single file, which readers would prefer
+    assert steps[0] == "staged" and steps[-1] == "removing"  # the whole commit ran before the interrupt
+    assert not (folder / "model.safetensors").exists()  # the old single file, which readers would prefer
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["ckpt"]
     with torch.no_grad():
-        assert torch.equal(qfp8.from_pretrained(tmp_path)(x).logits, new(x).logits)
+        assert torch.equal(qfp8.from_pretrained(folder)(x).logits, new(x).logits)
 
 
 def test_tokenizer_and_generation_files_are_carried(tiny, tmp_path):
