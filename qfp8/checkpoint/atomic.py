@@ -55,6 +55,19 @@ from pathlib import Path
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE
 from qfp8.checkpoint.safetensors_io import AtomicDirectoryWrite, _interrupts_deferred, is_temporary_file
 
+__all__ = [
+    "CHECKPOINT_FILE",
+    "COMMIT_STEPS",
+    "FolderCommit",
+    "FolderInUseError",
+    "FolderLock",
+    "INDEX_NAME",
+    "LOCK_SUFFIX",
+    "STAGED_MARKER",
+    "exchange",
+    "previous_checkpoint_files",
+]
+
 STAGED_MARKER = ".qfp8-staged"  # in a staging folder: it has not been swapped in (removed right after the swap)
 LOCK_SUFFIX = ".qfp8-lock"
 COMMIT_STEPS = ("staged", "carried", "exchanged", "unmarked", "merged", "removing")

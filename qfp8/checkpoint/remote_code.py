@@ -14,6 +14,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+__all__ = [
+    "auto_config",
+    "auto_tokenizer",
+    "check_flag",
+    "refusal",
+]
+
 
 def check_flag(trust_remote_code, caller: str) -> bool:
     if not isinstance(trust_remote_code, bool):

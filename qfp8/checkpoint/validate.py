@@ -23,6 +23,22 @@ import torch
 
 from qfp8 import formats
 
+__all__ = [
+    "CONFIG_GROUP",
+    "QUANTIZATION_ARGS",
+    "QUANTIZATION_CONFIG",
+    "SCALE_SUFFIXES",
+    "TOP_LEVEL",
+    "check_config",
+    "check_kv_dtype_key",
+    "check_kv_scales",
+    "check_quanto_map",
+    "check_scale_bounds",
+    "check_unused_input_scales",
+    "kv_scheme_is_static",
+    "largest_scale",
+]
+
 SCALE_SUFFIXES = ("weight_scale", "input_scale", "k_scale", "v_scale")
 
 _INT = "an int"

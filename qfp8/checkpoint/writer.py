@@ -45,7 +45,6 @@ from qfp8.quantize import check_calibrated, unwrapped
 
 __all__ = [
     "CARRIED_FILES",
-    "CHECKPOINT_FILE",
     "DEFAULT_MAX_SHARD_SIZE",
     "INDEX_NAME",
     "SINGLE_NAME",

@@ -164,6 +164,7 @@ class Qfp8Config(QuantizationConfigMixin):
         the stored FP8 weights and scales through qfp8 (``config_kwargs``: AutoConfig's, e.g. ``revision``)."""
         from transformers import AutoConfig
 
+        config_kwargs.setdefault("trust_remote_code", False)  # a checkpoint's own code runs only when asked
         config = AutoConfig.from_pretrained(path, **config_kwargs)
         if getattr(config, "quantization_config", None) is None:
             raise ValueError(
