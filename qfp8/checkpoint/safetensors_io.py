@@ -175,7 +175,7 @@ class SafetensorsFile:
         info = self.info(name)
         if self._storage is None:
             self._storage = torch.UntypedStorage.from_file(str(self.path), shared=False, nbytes=self.size)
-        data = torch.empty(0, dtype=torch.uint8).set_(self._storage, info.begin, (info.nbytes,), (1,))
+        data = torch.empty(0, dtype=torch.uint8, device="cpu").set_(self._storage, info.begin, (info.nbytes,), (1,))
         if info.begin % max(info.dtype.itemsize, 1):
             data = data.clone()  # misaligned (not written by qfp8 or safetensors): copy the few bytes
         return data.view(info.dtype).reshape(info.shape)
@@ -190,7 +190,7 @@ class SafetensorsFile:
         if got != info.nbytes:
             raise ValueError(f"{self.path}: tensor {name!r}: read {got} of {info.nbytes} bytes; the file is truncated")
         if not buffer:
-            return torch.empty(info.shape, dtype=info.dtype)
+            return torch.empty(info.shape, dtype=info.dtype, device="cpu")
         return torch.frombuffer(buffer, dtype=torch.uint8).view(info.dtype).reshape(info.shape)
 
 
