@@ -76,9 +76,8 @@ inline int lane_channel(int j, int i) { return 8 * (i / 4) + 4 * j + i % 4; }
 
 // Block scales of the tile's channels at column k, in register lane order:
 // one load when bn is a multiple of 32, else two divisions and a running
-// block row. Two divisions per channel (64 a call) had made block scales at
-// M = 4 take 1.6x the time of channel scales (amx, 4096 x 4096, 128 x 128
-// blocks).
+// block row (two divisions per channel, 64 a call, would cost more than the
+// small-M products themselves).
 inline void lane_block_scales(const LinearProblem& p, int64_t tile, int64_t k, __m512& s0, __m512& s1) {
   if (p.bn % kTileN == 0) {  // the tile's channels (and N - 1, where they stop) lie in one block row
     s0 = s1 = _mm512_set1_ps(p.scale[(tile * kTileN / p.bn) * p.scale_cols + k / p.bk]);
@@ -142,7 +141,6 @@ inline void store_lanes(const LinearProblem& p, int64_t m, int64_t tile, const f
   store_lanes(p, m, tile, _mm512_loadu_ps(lanes), _mm512_loadu_ps(lanes + 16), mult);
 }
 
-
 // The bf16 parts of 16 values (masked lanes read as zero): hi, mid, lo;
 // returns the values.
 // Each part is the bf16 rounding (to nearest even) of what the previous
@@ -187,7 +185,6 @@ inline void split32(const float* x, int64_t count, __m512 (&lo)[3], __m512 (&hi)
   check.need_mid |= _mm512_cmp_ps_mask(lo[1], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[1], zero, _CMP_NEQ_UQ);
   check.need_lo |= _mm512_cmp_ps_mask(lo[2], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[2], zero, _CMP_NEQ_UQ);
 }
-
 
 }  // namespace
 }  // namespace bf16
