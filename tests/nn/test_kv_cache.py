@@ -492,7 +492,7 @@ def test_scale_search_finds_the_grid_of_a_constant_channel(dtype):
 
 
 def test_calibration_keeps_a_spread_sample_of_rows(monkeypatch):
-    monkeypatch.setattr(kvc, "SCALE_SEARCH_ROWS", 100)
+    monkeypatch.setattr(kvc.mixin, "SCALE_SEARCH_ROWS", 100)
     attention = type("Attention", (kvc.Float8KVAttentionMixin,), {})()
     attention.start_calibration()
     attention.qfp8_kv_scale_search = True
