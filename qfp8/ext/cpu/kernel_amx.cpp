@@ -1,18 +1,10 @@
 // AMX kernel (the AVX512-BF16 flags plus -mamx-tile -mamx-bf16; chosen only
 // when the CPU reports AMX-BF16 and the OS grants the tile state, see
-// ops.cpp). From two virtual rows on (rows times bf16 parts), the products
+// isa.cpp). From two virtual rows on (rows times bf16 parts), the products
 // are AMX tile multiplies (tdpbf16ps), 16 x 16 x 32 multiply-adds each. One
 // row, and block scales whose k-block is not a multiple of 32, go to the
-// avx512bf16 kernel. Through the op, cold weights, one thread, 4096 x 4096,
-// ms, tiles against avx512bf16 (whose vdpbf16ps issues about once per 1.7
-// cycles on this Intel core), stop 32: M = 1 1.43-1.45, 1.17-1.19; M = 2
-// 1.50, 1.64; M = 3 1.43, 1.49; M = 4 1.45, 1.74. Stop 35, with the tile
-// pairs below: M = 2 1.08, M = 4 1.01, M = 16 1.22. Stop 37, one row through
-// the tile pairs against avx512bf16 (cold, one thread, same process):
-// 4096 x 4096 1.09x the time, 14336 x 4096 and 4096 x 14336 0.99x, the
-// SmolLM2 shapes 0.93-1.04x: no gain, so one row stays there. Both read the
-// weights as fast as a plain read does (torch.sum over as many cold bytes,
-// same process: 0.90-1.05x its time), which is the limit at one row.
+// avx512bf16 kernel: at one row both read the weights as fast as a plain
+// read does, which is the limit there, and the tile products gain nothing.
 //
 // Tiles (palette 1; 64 bytes a row, 16 rows but where said otherwise):
 //   tmm0-3  C: float32 sums, 16 rows x 16 channels; tmm0/1 rows 0-15 of a
@@ -39,11 +31,8 @@
 //
 // Loop, up to 16 virtual rows (up to kScaledPairRows with block or group
 // scales): tiles two at a time (tile_pairs_amx), each A tile load serving
-// both. Cold weights, one thread, same process, ms, one tile at a time
-// against two: 4096 x 4096
-// M = 4 1.20, 1.01; M = 16 1.43, 1.22; 4096 x 14336 M = 16 5.05, 4.36. A
-// tile loads of the activations from L2 had slowed the weights' stream
-// from memory: without them (wrong sums) M = 16 took 1.25.
+// both (A tile loads of the activations from L2 slow the weights' stream
+// from memory).
 // Otherwise: a group of tiles goes through K a chunk (kChunkSteps steps of 32 k,
 // kLongChunkSteps for many rows) at a time: one tile while the activations
 // fit kCachedActivations (its weights then stream front to back), else as
@@ -56,30 +45,8 @@
 // chunk.
 // Block weight scales and 1 x 128 activation-group scales cut K into
 // segments: C starts from zero at each, and its sums are added to the
-// tile's, scaled, at the end (scale_into_sums). From 64 rows on that add
-// costs about a fifth of the time (4096 x 4096, 128 x 128 blocks, one
-// thread: block scales 1.21x channel scales' time at M = 64 and 128, 1.30x
-// at 256; without the add's read and write of the sums, which live in L2,
-// M = 256 took 7.96 ms against 8.85). Chunks of 8 steps holding two such
-// segments each (the long chunks' panel, each segment's C still zeroed,
-// stored and scaled on its own) measured no faster (stop 36, M = 128-512).
-// At 16 rows (one tile at a time, cold, stop 37): channel scales 1.50 ms,
-// block scales 1.92, of which the scaled add takes about 0.2 (1.72 without
-// it, wrong sums) and C's zero and store at each segment the rest; tile
-// pairs there took 2.09.
-//
-// Where the time goes from 256 rows on (stop 36, 4096 x 4096, weights hot,
-// one thread, parts switched off in one process, so wrong sums): M = 256
-// 5.6-6.3 ms, of which converting the weights costs 0.5-0.75 (about what
-// the conversion takes with no tile work at all: it barely overlaps them),
-// and writing the outputs 0.25-0.35; M = 512 11.7 ms, 0.55 and 1.1. A loop with
-// this blocking and no conversion (random data, sums in L2) reaches about
-// 1.8-2.0 TFLOPS with C's loads and stores around each 8-step chunk and
-// 2.4-3.0 without them. Neither prefetching the next block's sums into L1
-// nor two C tile sets used in turn (so that one set's store and load
-// overlap the other's multiplies) raised it; storing the outputs row by
-// row over a tile group instead of tile by tile, and prefetching the output
-// rows for writing, changed nothing either.
+// tile's, scaled, at the end (scale_into_sums); from 64 rows on that add,
+// a read and write of the sums in L2, is a sizeable share of the time.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -99,38 +66,25 @@ namespace {
 using namespace bf16;
 
 constexpr int64_t kStepK = 32;           // k per tile step (16 pairs)
-// Steps per converted panel chunk: 128 k, 2 x 4 KB of bf16 panel. Cold
-// weights, one thread, 4096 x 4096, ms at M = 16 / 64 / 256: 4 steps 1.41 /
-// 2.41 / 7.17, 8 steps 1.58 / 2.84 / 6.97, 16 steps 1.73 / 2.71 / 7.37.
+// Steps per converted panel chunk: 128 k, 2 x 4 KB of bf16 panel.
 constexpr int64_t kChunkSteps = 4;
 // From kLongChunkBlocks 16-row blocks of virtual rows on, kLongChunkSteps
 // (256 k, 2 x 8 KB; the panel still fits L1): C's tile stores and loads
-// around each chunk weigh less. A loop of random data with this blocking
-// (32-row blocks, 16 tiles, no conversion) spent ~45 % of its time on them
-// around 128-k chunks and ~35 % around 256-k ones (a store waits for the
-// tile unit to drain). Starting each chunk's C from zero and adding it to
-// the sums with vector adds instead of the C loads ran 1.14-1.18x slower.
-// Hot weights, one thread, ms, 4 steps against 8: 4096 x 4096 M = 128 4.20,
-// 3.87; M = 192 6.17, 5.34; M = 256 6.74, 6.05; 1536 x 576 M = 128 0.235,
-// 0.216; M = 96 (6 blocks) 4096 x 4096 2.82, 2.93. Two threads, M = 512,
-// 2048 x 8192: 4 steps 7.67, 8 steps 6.56, 12 steps 7.61, 16 steps 7.29.
+// around each chunk weigh less (a store waits for the tile unit to drain;
+// starting each chunk's C from zero and adding it to the sums with vector
+// adds instead of the C loads is slower still).
 constexpr int64_t kLongChunkSteps = 8;
 constexpr int64_t kLongChunkBlocks = 8;
 // Weights asked for ahead of the conversion, into L2 (prefetcht2): 48 k pairs
-// (3 KB). The kernel alone, M = 16 as above: 1.41-1.57 ms; without, 1.75;
-// into L1 (prefetcht0), 1.8-2.0.
+// (3 KB); into L1 (prefetcht0) they wait on DRAM in L1's fill buffers.
 constexpr int64_t kPrefetchPairs = 48;
 constexpr int64_t kAccBytes = 512 << 10; // float32 sums a tile group keeps (in L2)
-// Activations up to this many bytes: one tile at a time. With two row blocks
-// (17-32 rows), groups of two tiles instead (cold, one thread, same process,
-// stop 36) took 0.91-0.97x the time at M = 24 and 32 on 4096 x 4096 and
-// 4096 x 14336, 0.97-1.01x on 14336 x 4096 and 1.07x at M = 17: not taken
-// (small against this VM's spread, and a loss at 17 rows).
+// Activations up to this many bytes: one tile at a time (groups of two
+// tiles for 17-32 rows gained too little to take, and lost at 17 rows).
 constexpr int64_t kCachedActivations = 1 << 20;
 // Tile pairs (tile_pairs_amx) with block or group scales only up to this
-// many virtual rows. 4096 x 4096, 128 x 128 blocks, cold, one thread, same
-// process, ms, pairs against one tile at a time: M = 2 1.23, 1.29; M = 4
-// 1.20-1.28, 1.34-1.38; M = 8 1.47-1.56, 1.49; M = 16 1.95, 1.75.
+// many virtual rows: beyond, the per-segment work of two tiles costs more
+// than the shared A loads save.
 constexpr int64_t kScaledPairRows = 4;
 constexpr int64_t kBlockValues = 16 * kStepK;  // bf16 values of one A or B tile: 1 KB
 // zmm registers of one panel slot: two 1 KB B blocks per step of the longest chunk.
@@ -139,10 +93,7 @@ constexpr int64_t kPanelSlot = std::max(kChunkSteps, kLongChunkSteps) * 32;
 // The activations as bf16 A tiles: [16-row block][step][16 rows][32 k],
 // virtual row v = part * M + m; rows past the last virtual row and k past K
 // are zero. When all rows fit one block, a step holds only those rows
-// (block_rows), so that the A tiles' rows lie together: 14336 x 4096, cold
-// weights, one thread, same process, ms, 16-row steps against compact ones:
-// M = 2 4.54, 4.07; M = 4 4.40, 3.79; M = 8 5.05, 4.34 (4096 x 4096 M = 4
-// 1.26, 1.20).
+// (block_rows), so that the A tiles' rows lie together.
 struct Activations {
   int parts = 1;
   int64_t M = 0, rows = 0, blocks = 0, steps = 0;
@@ -243,9 +194,7 @@ struct alignas(64) TileConfig {
 //
 // With fewer than 32 virtual rows (one or two row blocks), the A and C tiles
 // of the row block(s) hold only the rows there are: a tile load of A reads
-// from L2 only those. Cold weights, one thread, 4096 x 4096, same process,
-// ms, 16 rows against as many as there are: M = 2 1.59, 1.41; M = 4 1.53,
-// 1.40; M = 8 1.58, 1.50.
+// from L2 only those.
 struct TileState {
   // `pair`: tile_pairs_amx's use, tmm0-3 all C of the one row block.
   explicit TileState(int64_t rows, bool pair = false) {
@@ -282,9 +231,7 @@ struct ChunkConverter {
 
   // The members are copied to locals first: the panel stores could alias
   // *this, whose members would then be read again after each one (as *tb
-  // would be). In a microbenchmark converting cold weights alone (no
-  // multiplies, huge pages) this loop ran at 17.6 GB/s, the same loop reading
-  // them through `this`, with a branch per group, at 16.3.
+  // would be).
   inline void convert(int64_t i0, int64_t i1) const {
     const Tables t = *tb;
     __m512i* const out = panel;
@@ -309,8 +256,7 @@ struct ChunkConverter {
 // next chunk, into the other panel) are converted beside, spread evenly
 // over the steps: the tile products run in the AMX unit while the vector
 // units convert, and a panel's tile loads never wait on stores just made
-// (converting each step right before its multiply, cold weights, ran at
-// 8 GB/s).
+// (converting each step right before its multiply stalls on them).
 template <bool Two>
 inline void multiply_chunk(const uint16_t* a, int64_t step, int64_t second, const __m512i* panel, int64_t count,
                            const ChunkConverter* next, int64_t g0, int64_t g1) {
