@@ -39,6 +39,15 @@ def test_weights_quantized_in_row_bands_are_bitwise_the_whole_weights(monkeypatc
     assert formats.sqnr(reference, dequantized) > 25
 
 
+@pytest.mark.parametrize("rows, band_rows, align", [(10, 3, 1), (1000, 1024, 128), (3000, 1024, 128), (300, 100, 128),
+                                                     (0, 4, 1)])  # fmt: skip
+def test_row_bands_cover_every_row_once_in_whole_blocks(rows, band_rows, align):
+    bands = formats.row_bands(rows, band_rows, align)
+    assert [r for start, stop in bands for r in range(start, stop)] == list(range(rows))
+    assert all((stop - start) % align == 0 for start, stop in bands[:-1])  # only the last band ends mid-block
+    assert all(stop - start <= max(align, band_rows) for start, stop in bands)
+
+
 def test_banded_checks_count_every_non_finite_value(monkeypatch):
     monkeypatch.setattr(formats, "WEIGHT_CHUNK_ELEMENTS", 50)
     weight = torch.randn(40, 30, dtype=torch.float64)
