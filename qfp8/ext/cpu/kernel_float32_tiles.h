@@ -75,9 +75,11 @@ void tile_single_row(const LinearProblem& p, int64_t t, const float* x, float* s
 }
 
 // Converts `count` groups from k pair `pair0` into panel[k][32] float32 with
-// the lane scales folded in (refreshed at block boundaries).
+// the lane scales folded in (refreshed at block boundaries). Kept out of
+// line: inlined into the tile loop, it made the AVX2 panel path slower on
+// short K (576 x 1536 at M = 16, docs/cpu-kernels-measurements.md).
 template <typename V, int Format>
-void convert_panel(const LinearProblem& p, int64_t t, int64_t pair0, int64_t count, float* panel,
+__attribute__((noinline)) void convert_panel(const LinearProblem& p, int64_t t, int64_t pair0, int64_t count, float* panel,
                    float* lane_scale, int64_t& refresh) {
   using Float = typename V::Float;
   constexpr int kVectors = kTileN / V::kLanes;
