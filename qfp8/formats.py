@@ -264,14 +264,20 @@ def expand_block_scale(scale: torch.Tensor, shape: tuple[int, int], block_size) 
 WEIGHT_CHUNK_ELEMENTS = 1 << 22
 
 
+def row_bands(rows: int, band_rows: int, align: int = 1) -> list[tuple[int, int]]:
+    """Ranges ``[start, stop)`` covering ``rows`` rows in bands of ``band_rows`` rounded down to a multiple of
+    ``align`` (a block scale's rows: a band never splits a block), at least ``align``."""
+    step = max(align, band_rows // align * align)
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 def _row_bands(weight: torch.Tensor, align: int = 1) -> list[tuple[int, int]] | None:
-    """Row ranges ``[start, stop)`` of about ``WEIGHT_CHUNK_ELEMENTS`` elements each (a multiple of ``align``
-    rows), or None when the ``[N, K]`` weight is small enough to take whole."""
+    """:func:`row_bands` of about ``WEIGHT_CHUNK_ELEMENTS`` elements each, or None when the ``[N, K]`` weight is
+    small enough to take whole."""
     n, k = weight.shape
     if weight.numel() <= WEIGHT_CHUNK_ELEMENTS:
         return None
-    rows = max(align, WEIGHT_CHUNK_ELEMENTS // max(k, 1) // align * align)
-    return [(start, min(start + rows, n)) for start in range(0, n, rows)]
+    return row_bands(n, WEIGHT_CHUNK_ELEMENTS // max(k, 1), align)
 
 
 def _bands_of(weight: torch.Tensor) -> list[torch.Tensor]:

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from qfp8 import formats
+from tests.models import tiny_llama_config
 
 FP8_IDS = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2", torch.float8_e4m3fnuz: "e4m3fnuz"}
 FP8_DTYPES = list(FP8_IDS)
@@ -28,10 +29,9 @@ def tiny_llava():
     transformers = pytest.importorskip("transformers", reason="builds a transformers model")
 
     def build(tie: bool = False, layers: int = 2, dtype: torch.dtype = torch.float32):
-        text = transformers.LlamaConfig(
-            vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=tie,
-        )  # fmt: skip
+        text = tiny_llama_config(
+            vocab_size=320, intermediate_size=96, num_hidden_layers=layers, tie_word_embeddings=tie
+        )
         vision = transformers.CLIPVisionConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
             patch_size=14,

@@ -12,18 +12,14 @@ import transformers
 
 import qfp8
 from qfp8 import cli
+from tests import models
 
 
 @pytest.fixture(scope="module")
 def float_folder(tmp_path_factory):
     """A tiny float Llama checkpoint without a tokenizer."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
     folder = tmp_path_factory.mktemp("float")
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    models.tiny_llama(num_hidden_layers=1).save_pretrained(folder)
     return folder
 
 
@@ -129,10 +125,7 @@ def test_quantize_models_that_are_not_causal_lms(tmp_path, build):
     """The CLI finds the linears of the class config.json names, as in-memory quantize does, and writes the
     same tensors."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, num_labels=3, pad_token_id=0,
-    )  # fmt: skip
+    config = models.tiny_llama_config(vocab_size=100, num_hidden_layers=1, num_labels=3, pad_token_id=0)
     float_model = build(config).eval()
     float_model.save_pretrained(tmp_path / "float")
     assert cli.main(["quantize", str(tmp_path / "float"), str(tmp_path / "cli"), "--no-progress"]) == 0

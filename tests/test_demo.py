@@ -9,13 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qfp8 import demo, evaluate
+from qfp8 import demo
+from tests.models import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_quick_prints_every_scheme(tmp_path):
-    folder = evaluate.save_tiny_llama(tmp_path / "tiny")
+    folder = save_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "demo.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(
@@ -52,7 +53,7 @@ def test_demo_refuses_an_unknown_scheme():
 
 
 def test_options_given_with_quick_win_over_its_defaults(tmp_path, monkeypatch, capsys):
-    folder = evaluate.save_tiny_llama(tmp_path / "tiny")
+    folder = save_tiny_llama(tmp_path / "tiny")
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     args = parser.parse_args(["--model", str(folder), "--quick", "--schemes", "bf16", "--window-length", "32"])

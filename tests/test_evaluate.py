@@ -10,6 +10,7 @@ from torch import nn
 
 import qfp8
 from qfp8 import evaluate
+from tests.models import save_tiny_llama
 
 
 class FixedLogits(nn.Module):
@@ -68,7 +69,7 @@ def test_a_token_both_models_rule_out_adds_no_kl_and_batch_size_is_checked():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    folder = evaluate.save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    folder = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     return evaluate.load_model(folder)
 
 

@@ -15,6 +15,7 @@ from qfp8 import formats
 from qfp8.library import memory
 from qfp8.nn import QuantizationScheme
 from qfp8.nn.embedding import QEmbedding
+from tests import models
 
 transformers = pytest.importorskip("transformers", reason="the mapping test loads a model with transformers")
 
@@ -37,6 +38,15 @@ def test_weights_quantized_in_row_bands_are_bitwise_the_whole_weights(monkeypatc
     reference = weight.double()  # the float64 reference: dequantized bands within FP8 rounding of it
     dequantized = formats.dequantize_weight(q, scale, block, torch.float64)
     assert formats.sqnr(reference, dequantized) > 25
+
+
+@pytest.mark.parametrize("rows, band_rows, align", [(10, 3, 1), (1000, 1024, 128), (3000, 1024, 128), (300, 100, 128),
+                                                     (0, 4, 1)])  # fmt: skip
+def test_row_bands_cover_every_row_once_in_whole_blocks(rows, band_rows, align):
+    bands = formats.row_bands(rows, band_rows, align)
+    assert [r for start, stop in bands for r in range(start, stop)] == list(range(rows))
+    assert all((stop - start) % align == 0 for start, stop in bands[:-1])  # only the last band ends mid-block
+    assert all(stop - start <= max(align, band_rows) for start, stop in bands)
 
 
 def test_banded_checks_count_every_non_finite_value(monkeypatch):
@@ -78,12 +88,9 @@ def test_quantizing_a_large_weight_peaks_near_its_fp8_bytes(rss_reader):
 def test_a_loaded_models_file_mappings_go_once_its_linears_are_quantized(tmp_path):
     """transformers maps the safetensors file; the float tensors left after quantize (norms, a float table) kept
     the mapping, and every page quantize had read from it, resident: 640 MiB beside 321 MiB of FP8 weights."""
-    config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=1024, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    models.tiny_llama(
+        dtype=torch.bfloat16, hidden_size=256, intermediate_size=512, vocab_size=1024, tie_word_embeddings=False
+    ).save_pretrained(tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     ids = torch.randint(0, 1024, (1, 9))
     with torch.no_grad():
@@ -105,12 +112,9 @@ def test_a_loaded_models_file_mappings_go_once_its_linears_are_quantized(tmp_pat
 
 
 def test_the_tied_table_is_made_a_band_of_rows_at_a_time_with_the_same_bits(monkeypatch):
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=300, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = models.tiny_llama(
+        dtype=torch.bfloat16, intermediate_size=96, num_hidden_layers=1, vocab_size=300, tie_word_embeddings=True
+    )
     qfp8.quantize(model, exclude=())
     embedding = model.get_input_embeddings()
     assert isinstance(embedding, QEmbedding)

@@ -11,20 +11,15 @@ import torch
 from accelerate import cpu_offload, dispatch_model
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import qfp8
 from qfp8 import formats
-
-CONFIG = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, tie_word_embeddings=False,
-)  # fmt: skip
+from tests import models
 
 
 def llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    return models.tiny_llama(vocab_size=256, num_hidden_layers=4, tie_word_embeddings=False)
 
 
 class Counting(ModelHook):

@@ -11,19 +11,11 @@ from torch import nn
 
 import qfp8
 from qfp8 import QLinear
+from tests import models
 
 
 def tiny_llama(tie=False) -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return models.tiny_llama(vocab_size=256, num_hidden_layers=1, tie_word_embeddings=tie)
 
 
 def quantize_quietly(model, **kwargs):

@@ -107,19 +107,15 @@ __all__ = [
 CHUNK_ROWS = 1024  # rows quantized at once: bounds the float32 temporaries
 
 
-def _row_step(scheme: QuantizationScheme) -> int:
-    if scheme.weight_scale == "block":
-        bn = scheme.block_size[0]
-        return bn * max(1, CHUNK_ROWS // bn)
-    return CHUNK_ROWS
+def _row_bands(rows: int, scheme: QuantizationScheme) -> list[tuple[int, int]]:
+    return formats.row_bands(rows, CHUNK_ROWS, scheme.block_size[0] if scheme.weight_scale == "block" else 1)
 
 
 def weight_scale(weight: torch.Tensor, scheme: QuantizationScheme) -> torch.Tensor:
     """The scale ``qfp8.quantize`` would give ``weight``, computed in row chunks."""
-    step = _row_step(scheme)
     pieces = [
-        formats.weight_amax(weight[r : r + step], scheme.weight_scale, scheme.block_size or formats.DEFAULT_BLOCK_SIZE)
-        for r in range(0, weight.shape[0], step)
+        formats.weight_amax(weight[r:stop], scheme.weight_scale, scheme.block_size or formats.DEFAULT_BLOCK_SIZE)
+        for r, stop in _row_bands(weight.shape[0], scheme)
     ]
     amax = torch.stack(pieces).amax(0) if scheme.weight_scale == "tensor" else torch.cat(pieces)
     return formats.scale_from_amax(amax, scheme.weight_dtype)
@@ -128,14 +124,13 @@ def weight_scale(weight: torch.Tensor, scheme: QuantizationScheme) -> torch.Tens
 def quantize_rows(weight: torch.Tensor, scale: torch.Tensor, scheme: QuantizationScheme) -> torch.Tensor:
     """``formats.quantize_weight(weight, scale=scale)`` in row chunks (same bits)."""
     out = torch.empty(weight.shape, dtype=scheme.weight_dtype)
-    step = _row_step(scheme)
-    for r in range(0, weight.shape[0], step):
-        out[r : r + step] = formats.quantize_weight(
-            weight[r : r + step],
+    for r, stop in _row_bands(weight.shape[0], scheme):
+        out[r:stop] = formats.quantize_weight(
+            weight[r:stop],
             scheme.weight_dtype,
             scheme.weight_scale,
             scheme.block_size or None,
-            scale=_rows_scale(scale, scheme, r, step),
+            scale=_rows_scale(scale, scheme, r, stop - r),
         )[0]
     return out
 
@@ -143,10 +138,9 @@ def quantize_rows(weight: torch.Tensor, scale: torch.Tensor, scheme: Quantizatio
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, scheme: QuantizationScheme, dtype) -> torch.Tensor:
     """``formats.dequantize_weight(codes, scale, ...)`` in ``dtype``, in row chunks (same bits)."""
     out = torch.empty(codes.shape, dtype=dtype)
-    step = _row_step(scheme)
-    for r in range(0, codes.shape[0], step):
-        part = _rows_scale(scale, scheme, r, step)
-        out[r : r + step] = formats.dequantize_weight(codes[r : r + step], part, scheme.block_size or None, dtype)
+    for r, stop in _row_bands(codes.shape[0], scheme):
+        part = _rows_scale(scale, scheme, r, stop - r)
+        out[r:stop] = formats.dequantize_weight(codes[r:stop], part, scheme.block_size or None, dtype)
     return out
 
 

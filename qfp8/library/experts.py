@@ -80,7 +80,7 @@ def experts_linear_impl(
     in_features: int,
 ) -> torch.Tensor:
     # AOTInductor's proxy executor passes an empty list argument as None (see empty_lists_from_none in
-    # qfp8/ext/cpu/ops.cpp); under inference_mode this kernel is the first to see it.
+    # qfp8/ext/cpu/linear.cpp); under inference_mode this kernel is the first to see it.
     input_scales, block_size = input_scales or [], block_size or []
     experts = len(weights)
     if x.dim() != 2 or x.shape[1] != in_features or expert_ids.shape != (x.shape[0],):

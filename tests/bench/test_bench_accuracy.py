@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from qfp8 import evaluate
+from tests.models import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +45,7 @@ def test_quick_mode_on_smollm2_holds_the_w8a16_channel_kl_target(tmp_path):
 
 
 def test_every_row_and_per_layer_report_on_a_tiny_model(tmp_path, check_provenance):
-    folder = evaluate.save_tiny_llama(tmp_path / "tiny")
+    folder = save_tiny_llama(tmp_path / "tiny")
     out = tmp_path / "accuracy.json"
     result = run_bench(
         "--model",

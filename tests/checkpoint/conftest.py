@@ -6,23 +6,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests import models
+
 transformers = pytest.importorskip("transformers", reason="checkpoint tests build transformers models")
 
 
-TINY_SIZES = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
+TINY_SIZES = {**models.TINY_LLAMA, "max_position_embeddings": 64, "tie_word_embeddings": False}
 
 
 def tiny_config(**overrides):
-    return transformers.LlamaConfig(**{**TINY_SIZES, **overrides})
+    return models.tiny_llama_config(**{**TINY_SIZES, **overrides})
 
 
 def tiny_model(dtype=torch.float32, seed=0, **overrides):

@@ -16,6 +16,7 @@ import torch
 import torch._dynamo
 
 import qfp8
+from tests import models
 
 transformers = pytest.importorskip("transformers", reason="the compile tests run a Hugging Face Llama")
 
@@ -50,21 +51,12 @@ def schemes():
 
 
 def tiny_llama_config():
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
-    )
+    return models.tiny_llama_config(vocab_size=256, max_position_embeddings=64)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(tiny_llama_config()).to(torch.bfloat16).eval()
+    return models.tiny_llama(dtype=torch.bfloat16, vocab_size=256, max_position_embeddings=64)
 
 
 @pytest.fixture(scope="session")

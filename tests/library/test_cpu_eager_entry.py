@@ -149,3 +149,33 @@ def test_other_devices_go_to_the_op():
     args = layer_args(torch.randn(1, 32))
     got = eager(torch.empty(3, 32, device="meta"), *args[1:])
     assert got.device.type == "meta" and got.shape == (3, 40)
+
+
+def test_functorch_transforms_see_the_op():
+    """The entry mirrors the dispatcher's guards with c10's TLS internals: under vmap (FuncTorchBatched in the TLS
+    included set, batched tensors) it must give what the op gives, result or error, or torch changed them."""
+    args = layer_args(torch.randn(2, 32))
+    batch = torch.randn(3, 2, 32)
+
+    def under_vmap(fn):
+        try:
+            return torch.vmap(lambda x: fn(x, *args[1:]))(batch)
+        except Exception as error:  # the op's own answer to vmap, whatever it is, is what the entry must give
+            return type(error), str(error).splitlines()[0]
+
+    got, expected = under_vmap(eager), under_vmap(OP)
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, expected)
+    else:
+        assert got == expected
+
+
+def test_forward_mode_ad_reaches_the_ops_refusal():
+    import torch.autograd.forward_ad as forward_ad
+
+    args = layer_args(torch.randn(2, 32))
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(args[0], torch.randn(2, 32))
+        for fn in (eager, OP):
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                fn(dual, *args[1:])

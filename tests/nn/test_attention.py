@@ -5,11 +5,12 @@ import pickle
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import qfp8
 from qfp8.nn import attention
+from tests import models
 
 
 class _Module(torch.nn.Module):
@@ -97,18 +98,9 @@ def test_other_steps_go_to_transformers_sdpa(case):
 
 
 def _llama(attn="sdpa", seed=0, kv_heads=2):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=kv_heads,
-        vocab_size=128,
-        max_position_embeddings=128,
+    return models.tiny_llama(
+        seed, num_attention_heads=8, num_key_value_heads=kv_heads, max_position_embeddings=128, attn_implementation=attn
     )
-    config._attn_implementation = attn
-    return LlamaForCausalLM(config).eval()
 
 
 def test_turning_the_fused_kv_attention_off_restores_the_packed_sdpa():

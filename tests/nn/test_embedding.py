@@ -19,6 +19,7 @@ from qfp8 import QLinear, formats
 from qfp8.library import cpu, routing
 from qfp8.nn.embedding import QEmbedding
 from qfp8.tensor import Float8WeightTensor
+from tests import models
 
 # Every layout's rows are read in torch from its packed bytes, so the CUDA layouts are checked here too
 # (packed on the CPU).
@@ -28,18 +29,15 @@ LAYOUTS = ["reference", "cuda-fp8-marlin", "cuda-scaled-mm"] + (
 
 
 def tied_llama(seed=0, dtype=torch.float32) -> transformers.LlamaForCausalLM:
-    config = transformers.LlamaConfig(
+    model = models.tiny_llama(
+        seed,
+        dtype,
         vocab_size=300,  # not a multiple of the CPU layout's 32-row tiles
-        hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         tie_word_embeddings=True,
     )
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
-    model.model.rotary_emb = type(model.model.rotary_emb)(config)  # its inv_freq in float32, as loaded
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)  # its inv_freq in float32, as loaded
     return model
 
 

@@ -9,11 +9,12 @@ import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 
 import qfp8
 from qfp8 import formats
 from qfp8.nn import kv_cache as kvc
+from tests import models
 from tests.conftest import dynamic_and_static, greedy
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -21,18 +22,7 @@ DTYPE_IDS = ["e4m3", "e5m2"]
 
 
 def tiny_llama(seed=0, layers=2) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query: 2 query heads per KV head
-        vocab_size=128,
-        max_position_embeddings=256,
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).eval()
+    return models.tiny_llama(seed, num_hidden_layers=layers, max_position_embeddings=256, attn_implementation="sdpa")
 
 
 @pytest.fixture(scope="module")
@@ -492,7 +482,7 @@ def test_scale_search_finds_the_grid_of_a_constant_channel(dtype):
 
 
 def test_calibration_keeps_a_spread_sample_of_rows(monkeypatch):
-    monkeypatch.setattr(kvc, "SCALE_SEARCH_ROWS", 100)
+    monkeypatch.setattr(kvc.mixin, "SCALE_SEARCH_ROWS", 100)
     attention = type("Attention", (kvc.Float8KVAttentionMixin,), {})()
     attention.start_calibration()
     attention.qfp8_kv_scale_search = True
@@ -529,12 +519,7 @@ def test_scales_calibrated_or_loaded_under_inference_mode_work_with_autograd_on(
 
 def test_compiled_forward_from_the_first_call_with_a_static_cache():
     """model.forward compiled (fullgraph) before prefill, transformers' recipe: the FP8 buffers are made in the graph."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attn_implementation="sdpa",
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
+    model = models.tiny_llama(attn_implementation="sdpa")
     qfp8.quantize(model, kv_cache="float8_e4m3fn")
     prompt = torch.randint(0, 128, (1, 5))
     eager = model.generate(prompt, max_new_tokens=8, do_sample=False, cache_implementation="static")
@@ -546,12 +531,7 @@ def test_compiled_forward_from_the_first_call_with_a_static_cache():
 @pytest.mark.parametrize("cache_class", [DynamicCache, StaticCache])
 def test_deepcopied_cache_serves_the_same_model(cache_class):
     """transformers' prompt reuse: deepcopy a filled cache, generate from the copy, the original stays as it was."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
+    model = models.tiny_llama()
     qfp8.quantize(model, kv_cache="float8_e4m3fn")
     prompt = torch.randint(0, 128, (1, 10))
     kwargs = {"config": model.config} if cache_class is DynamicCache else {"config": model.config, "max_cache_len": 32}

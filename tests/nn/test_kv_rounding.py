@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, DynamicCache, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import qfp8
@@ -21,6 +21,7 @@ from qfp8.library import attention as ops
 from qfp8.library import cpu
 from qfp8.library.testing import opcheck
 from qfp8.nn import kv_cache as kvc
+from tests import models
 from tests.conftest import dynamic_and_static, greedy
 
 DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -181,19 +182,15 @@ def test_op_compiles_without_graph_breaks():
 
 
 def tiny_llama(seed=0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    model = models.tiny_llama(
+        seed,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,  # 4 query heads per KV head
-        vocab_size=128,
+        num_attention_heads=8,  # 4 query heads per KV head
         max_position_embeddings=256,
         attention_bias=True,
+        attn_implementation="sdpa",
     )
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).eval()
     # Real queries are far from isotropic (a few heavy channels, a large mean: what makes the compensation
     # pay); random weights give nearly isotropic ones. A large query bias stands in for that.
     with torch.no_grad():

@@ -71,7 +71,7 @@ void linear_tiles_avx2(const LinearProblem& p, int64_t tile_begin, int64_t tile_
 void linear_tiles_avx512(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 void linear_tiles_avx512bf16(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 // An ISA may prepare the activations once per call, before the tiles are
-// split over threads: ops.cpp keeps the result alive for the call and passes
+// split over threads: linear.cpp keeps the result alive for the call and passes
 // it as LinearProblem::prepared. Null means the ISA's tiles go without.
 using LinearPrepareFn = std::shared_ptr<const void> (*)(const LinearProblem&);
 std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p);
@@ -83,17 +83,16 @@ std::shared_ptr<const void> prepare_amx(const LinearProblem& p);
 // nbytes of memory, not initialized; from 2 MiB up 2 MiB-aligned and advised
 // for transparent huge pages (whole 2 MiB pages only) before its first
 // touch, below that 64-byte aligned. Release with std::free. Null when it
-// cannot be had. (ops.cpp: packed weights and activation buffers, the
-// avx512bf16 kernel's laid-out activations.)
+// cannot be had. (allocator.cpp; used for packed weights and activation
+// buffers, the avx512bf16 kernel's laid-out activations.)
 void* huge_page_alloc(size_t nbytes);
 
 // Memory for one call's activations (laid out for the kernel, quantized,
 // converted): huge_page_alloc's, taken from and given back to a per-thread
-// cache of freed buffers (ops.cpp), not initialized. A fresh buffer of tens
-// of MB costs its page faults on every call, and after other large
+// cache of freed buffers (allocator.cpp), not initialized. A fresh buffer of
+// tens of MB costs its page faults on every call, and after other large
 // allocations and frees far more (with transparent huge pages on madvise,
-// those faults compact memory first; see docs/cpu-kernels.md). Null `get()`
-// when it cannot be had.
+// the faults then compact memory first). Null `get()` when it cannot be had.
 void* scratch_alloc(size_t nbytes, size_t* capacity);
 void scratch_free(void* data, size_t capacity);
 

@@ -1,6 +1,6 @@
 // AMX kernel (the AVX512-BF16 flags plus -mamx-tile -mamx-bf16; chosen only
 // when the CPU reports AMX-BF16 and the OS grants the tile state, see
-// ops.cpp). From two virtual rows on (rows times bf16 parts), the products
+// isa.cpp). From two virtual rows on (rows times bf16 parts), the products
 // are AMX tile multiplies (tdpbf16ps), 16 x 16 x 32 multiply-adds each. One
 // row, and block scales whose k-block is not a multiple of 32, go to the
 // avx512bf16 kernel: one row is bound by reading the weights, which that
@@ -196,9 +196,7 @@ struct alignas(64) TileConfig {
 //
 // With fewer than 32 virtual rows (one or two row blocks), the A and C tiles
 // of the row block(s) hold only the rows there are: a tile load of A reads
-// from L2 only those. Cold weights, one thread, 4096 x 4096, same process,
-// ms, 16 rows against as many as there are: M = 2 1.59, 1.41; M = 4 1.53,
-// 1.40; M = 8 1.58, 1.50.
+// from L2 only those.
 struct TileState {
   // `pair`: tile_pairs_amx's use, tmm0-3 all C of the one row block.
   explicit TileState(int64_t rows, bool pair = false) {

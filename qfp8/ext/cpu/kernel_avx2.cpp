@@ -1,27 +1,21 @@
 // AVX2 + FMA + F16C kernel (compiled with -mavx2 -mfma -mf16c, called only
 // when the CPU reports those features).
 //
-// Layout: the packed tiles of kernel.h, [T][Kp/2][64] bytes; 16 bytes of a
-// group hold 8 consecutive channels x a k pair.
+// Layout: the packed tiles of kernel.h, [T][Kp/2][64] bytes.
 //
-// Arithmetic per 16 bytes (e4m3fn, e4m3fnuz): vpmaddubsw with the constant
-// bytes (128, 0) gives 128 * (int8)b of the even bytes (k = 2p) as 8 words,
-// with (0, 128) the odd bytes (k = 2p + 1); an AND with 0xBFFF makes the fp16
-// bits of the e4m3 value / 2^8 (/ 2^7 for fnuz; see kernel.h); e5m2 bytes are
-// moved into the high byte of each word instead (shift / AND). vcvtph2ps
-// gives 8 float32 lanes (exact, subnormals included) and vfmadd231ps with a
-// broadcast x[k] accumulates, one accumulator set per parity of k.
-// vpmaddubsw runs on a multiply port, so the loop issues no shuffles at all;
-// on Zen 3 this measured 15-20 % faster than unpack + shift.
-// The format factor and the weight scale are applied per channel at the end
-// (tensor and channel scales) or folded into the weights (block scales, and
-// every scale in the M > 1 panel).
-//
-// Two schedules:
+// Two routes:
+// - The float32 tile kernel (kernel_float32_tiles.h) on 256-bit vectors: 16
+//   bytes of a group hold 8 consecutive channels x a k pair; vpmaddubsw with
+//   the constant bytes (128, 0) gives 128 * (int8)b of the even bytes
+//   (k = 2p) as 8 words, with (0, 128) the odd bytes (k = 2p + 1); an AND
+//   with 0xBFFF makes the fp16 bits of the e4m3 value / 2^8 (/ 2^7 for fnuz;
+//   see kernel.h); e5m2 bytes are moved into the high byte of each word
+//   instead (shift / AND). vpmaddubsw runs on a multiply port, so the loop
+//   issues no shuffles at all. M > 4 goes there (the panel, 6 rows x 16
+//   channels per register block), and so do block scales with an odd bk.
 // - M <= 4 (decode, small batches): the weights are converted in registers
-//   and used by every row at once; the loop is bound by the conversion. It
-//   takes the cheaper float32 route below (no vcvtph2ps); only block scales
-//   with an odd bk keep the fp16 route above (M == 1) or the panel (M > 1).
+//   and used by every row at once; the loop is bound by the conversion, so
+//   it takes the cheaper float32 route below (no vcvtph2ps).
 //
 // The float32 route: the FP8 byte is put into the top byte of a 32-bit lane,
 // then vpsrad + vpand leave s|0000|eeee|mmm|0.. (e5m2: s|000|eeeee|mm|0..):
@@ -34,10 +28,6 @@
 // multiplied by an exact power of two 2^E that puts its largest magnitude
 // near 2^116; the sums are brought back by 2^(112 - E), which makes them
 // equal to the fp16 route's sums, so the same channel multipliers apply.
-// - M > 4: a panel of 128 k x 32 channels is converted once into a 16 KB
-//   float32 buffer (L1-resident) with the scale folded in, then a 6-row x
-//   16-channel register-blocked loop runs every row over it, so the
-//   conversion is paid once per weight, not once per row.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -46,67 +36,91 @@
 
 #include "attention_impl.h"
 #include "kernel.h"
-
+#include "kernel_activation_impl.h"
+#include "kernel_float32_tiles.h"
 
 namespace qfp8 {
 namespace {
 
-constexpr int64_t kPanelPairs = 64;  // k pairs per converted panel: 128 k x 32 floats = 16 KB
-constexpr int kRows = 6;
+// 256-bit vectors for the float32 tile kernel and the activation helpers
+// (kernel_float32_tiles.h, kernel_activation_impl.h).
+struct Avx2Vector {
+  using Float = __m256;
+  using Int = __m256i;
+  using Double = __m256d;
+  using Mask = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kRows = 6;  // rows per register block: 6 x 2 accumulators + 2 weights + 1 x
+
+  static Float zero() { return _mm256_setzero_ps(); }
+  static Float set1(float v) { return _mm256_set1_ps(v); }
+  static Float broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static Float load(const float* p) { return _mm256_load_ps(p); }
+  static Float loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, Float v) { _mm256_store_ps(p, v); }
+  static void storeu(float* p, Float v) { _mm256_storeu_ps(p, v); }
+  static Float add(Float a, Float b) { return _mm256_add_ps(a, b); }
+  static Float sub(Float a, Float b) { return _mm256_sub_ps(a, b); }
+  static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
+  static Float div(Float a, Float b) { return _mm256_div_ps(a, b); }
+  static Float min(Float a, Float b) { return _mm256_min_ps(a, b); }
+  static Float max(Float a, Float b) { return _mm256_max_ps(a, b); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
+  static Float abs(Float a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+  static Int set1_int(int v) { return _mm256_set1_epi32(v); }
+  static Int as_int(Float a) { return _mm256_castps_si256(a); }
+  static Float as_float(Int a) { return _mm256_castsi256_ps(a); }
+  static Int and_int(Int a, Int b) { return _mm256_and_si256(a, b); }
+  static Int andnot_int(Int a, Int b) { return _mm256_andnot_si256(a, b); }
+  static Int or_int(Int a, Int b) { return _mm256_or_si256(a, b); }
+  static Int add_int(Int a, Int b) { return _mm256_add_epi32(a, b); }
+  template <int N>
+  static Int srli(Int a) { return _mm256_srli_epi32(a, N); }
+  static Mask less(Float a, Float b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static Mask less_equal(Float a, Float b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+  static Float select(Mask m, Float if_true, Float if_false) { return _mm256_blendv_ps(if_false, if_true, m); }
+  static Float keep(Mask m, Float a) { return _mm256_and_ps(a, m); }
+  static Double zero_double() { return _mm256_setzero_pd(); }
+  static Double low_double(Float a) { return _mm256_cvtps_pd(_mm256_castps256_ps128(a)); }
+  static Double high_double(Float a) { return _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)); }
+  static Double fmadd_double(Double a, Double b, Double c) { return _mm256_fmadd_pd(a, b, c); }
+  static Double add_double(Double a, Double b) { return _mm256_add_pd(a, b); }
+  static double reduce_add_double(Double a) {
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, a);
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  }
+  static float reduce_max(Float a) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, a);
+    float result = lanes[0];
+    for (int i = 1; i < 8; ++i) result = std::fmax(result, lanes[i]);
+    return result;
+  }
+
+  // 16 packed bytes (8 channels x a k pair) -> float32 lanes of the 8 channels
+  // at k = 2p (even) and k = 2p + 1 (odd), before scale and format factor.
+  template <int Format>
+  static void convert(const uint8_t* src, Float& even, Float& odd) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    __m128i e, o;
+    if (Format == kE5M2) {
+      e = _mm_slli_epi16(bytes, 8);
+      o = _mm_and_si128(bytes, _mm_set1_epi16(static_cast<short>(0xFF00)));
+    } else {
+      const __m128i mask = _mm_set1_epi16(static_cast<short>(0xBFFF));
+      e = _mm_and_si128(_mm_maddubs_epi16(_mm_set1_epi16(0x0080), bytes), mask);
+      o = _mm_and_si128(_mm_maddubs_epi16(_mm_set1_epi16(static_cast<short>(0x8000)), bytes), mask);
+    }
+    even = _mm256_cvtph_ps(e);
+    odd = _mm256_cvtph_ps(o);
+  }
+};
+
 // M == 1 streams kStreams tiles side by side and prefetches kPrefetchBytes
-// ahead in each (2 and 3 KB measured best here with the shift conversion of
-// pairs_single_row_f32; one stream without prefetch is 35 % slower).
+// ahead in each (see pairs_single_row_f32).
 constexpr int kStreams = 2;
-constexpr int64_t kPrefetchBytes = 3072;             // rows per register block: 6 x 2 accumulators + 2 weights + 1 x
-
-// 16 packed bytes (8 channels x a k pair) -> float32 lanes of the 8 channels
-// at k = 2p (even) and k = 2p + 1 (odd), before scale and format factor.
-template <int Format>
-inline void convert16(const uint8_t* src, __m256& even, __m256& odd) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  __m128i e, o;
-  if (Format == kE5M2) {
-    e = _mm_slli_epi16(bytes, 8);
-    o = _mm_and_si128(bytes, _mm_set1_epi16(static_cast<short>(0xFF00)));
-  } else {
-    const __m128i mask = _mm_set1_epi16(static_cast<short>(0xBFFF));
-    e = _mm_and_si128(_mm_maddubs_epi16(_mm_set1_epi16(0x0080), bytes), mask);
-    o = _mm_and_si128(_mm_maddubs_epi16(_mm_set1_epi16(static_cast<short>(0x8000)), bytes), mask);
-  }
-  even = _mm256_cvtph_ps(e);
-  odd = _mm256_cvtph_ps(o);
-}
-
-// M == 1: stream the tile once, converting in registers.
-template <int Format, bool Folded>
-void tile_single_row(const LinearProblem& p, int64_t t, const float* x, float* sums) {
-  const uint8_t* g = p.w + t * (p.Kp / 2) * kGroupBytes;
-  const int64_t pairs = p.Kp / 2;
-  __m256 acc_even[4], acc_odd[4], scale[8];
-  for (int j = 0; j < 4; ++j) acc_even[j] = acc_odd[j] = _mm256_setzero_ps();
-  for (auto& s : scale) s = _mm256_setzero_ps();
-  alignas(32) float lane_scale[kGroupBytes] = {};
-  int64_t refresh = 0;
-  for (int64_t pair = 0; pair < pairs; ++pair, g += kGroupBytes) {
-    if (Folded && 2 * pair >= refresh) {
-      refresh = fill_lane_scales(p, t, pair, lane_scale);
-      for (int j = 0; j < 8; ++j) scale[j] = _mm256_load_ps(lane_scale + 8 * j);
-    }
-    const __m256 x0 = _mm256_broadcast_ss(x + 2 * pair);
-    const __m256 x1 = _mm256_broadcast_ss(x + 2 * pair + 1);
-    for (int j = 0; j < 4; ++j) {
-      __m256 e, o;
-      convert16<Format>(g + 16 * j, e, o);
-      if (Folded) {
-        e = _mm256_mul_ps(e, scale[j]);
-        o = _mm256_mul_ps(o, scale[4 + j]);
-      }
-      acc_even[j] = _mm256_fmadd_ps(e, x0, acc_even[j]);
-      acc_odd[j] = _mm256_fmadd_ps(o, x1, acc_odd[j]);
-    }
-  }
-  for (int j = 0; j < 4; ++j) _mm256_storeu_ps(sums + 8 * j, _mm256_add_ps(acc_even[j], acc_odd[j]));
-}
+constexpr int64_t kPrefetchBytes = 3072;
 
 // 2^e for e in [-250, 250] as two float32 factors (neither overflows), so
 // that v * first * second is v * 2^e exactly unless the result itself
@@ -167,19 +181,15 @@ struct ShiftConvert {
 constexpr int slot_channel(int slot) { return 16 * (slot / 16) + 2 * (slot % 8) + (slot / 8) % 2; }
 
 // M == 1 on the float32 route, Tiles tiles side by side over k pairs
-// [pair0, pair1), each 32-byte load through ShiftConvert. Interleaved
-// microbenchmarks here (one thread): the 32-bit shift chain per byte (11
-// instructions) was 1.13x a vpshufb loop (12 instructions and two broadcast
-// loads per 16 bytes) from cold memory (16 MB weights); ShiftConvert's 16-bit
-// shifts are 1.12-1.14x more on L2-resident weights (7.5-9 bytes per TSC
-// cycle) and the same from cold memory (5 bytes per cycle, 12 GB/s), which
-// is the memory's rate, not the loop's. out[u] receives tile u's sums in slot
-// order (see slot_channel). Two tiles keep the 8 accumulators, 2 x values and
-// the mask in registers (four spilled, 15 % slower); the prefetch keeps two
-// streams busy enough. With Cross, each stream's prefetch goes on past its
-// own tile's end into the tile it takes next (Tiles on), so that the next
-// call's streams start warm: at K = 576 (18 KB tiles) 1.07-1.15x in one
-// process on Zen 3, interleaved, none lost at K = 4096.
+// [pair0, pair1), each 32-byte load through ShiftConvert (its 16-bit shifts
+// beat both a 32-bit shift chain per byte and a vpshufb loop on L2-resident
+// weights, and match them from memory, where the memory's rate is the
+// limit). out[u] receives tile u's sums in slot order (see slot_channel).
+// Two tiles keep the 8 accumulators, 2 x values and the mask in registers
+// (more would spill); the prefetch keeps two streams busy enough. With
+// Cross, each stream's prefetch goes on past its own tile's end into the
+// tile it takes next (Tiles on), so that the next call's streams start warm
+// (a gain on short tiles, K = 576, none lost on long ones).
 template <int Format, int Tiles, bool Cross>
 void pairs_single_row_f32(const uint8_t* tile0, int64_t tile_bytes, const float* xs, int64_t pair0, int64_t pair1,
                           float (*out)[kTileN]) {
@@ -254,12 +264,11 @@ void tiles_single_row_f32(const LinearProblem& p, int64_t t0, const float* xs, f
 // 2 <= M <= 4 (small batches, speculative decoding) on the float32 route:
 // the weights converted by ShiftConvert go to every row straight from
 // registers (the panel's store and reload cost more than the rows' FMAs at
-// this M); 1.02-1.08x the former vpshufb conversion, interleaved, on the
-// three Llama-3-8B shapes. Halves 32-byte halves of each group per pass keep the
-// Rows x 2 Halves accumulators, the four converted vectors, the two x values
-// and the mask within the 16 ymm registers; a tile takes 2 / Halves passes
-// over its bytes (L2-resident). Totals come out in slot order (see
-// slot_channel), for store_slots_row.
+// this M). Halves 32-byte halves of each group per pass keep the Rows x 2
+// Halves accumulators, the four converted vectors, the two x values and the
+// mask within the 16 ymm registers; a tile takes 2 / Halves passes over its
+// bytes (L2-resident). Totals come out in slot order (see slot_channel), for
+// store_slots_row.
 template <int Format, int Rows, int Halves>
 void tile_small_rows_f32(const LinearProblem& p, int64_t t, const float* const* xs, float (*totals)[kTileN]) {
   const ShiftConvert<Format> convert;
@@ -403,87 +412,8 @@ void small_rows_f32(const LinearProblem& p, int64_t tile_begin, int64_t tile_end
   }
 }
 
-// Converts `count` groups from k pair `pair0` into panel[k][32] float32 with
-// the lane scales folded in (refreshed at block boundaries).
-template <int Format>
-void convert_panel(const LinearProblem& p, int64_t t, int64_t pair0, int64_t count, float* panel,
-                   float* lane_scale, int64_t& refresh) {
-  const uint8_t* g = p.w + (t * (p.Kp / 2) + pair0) * kGroupBytes;
-  __m256 scale[8];
-  for (int j = 0; j < 8; ++j) scale[j] = _mm256_load_ps(lane_scale + 8 * j);
-  for (int64_t i = 0; i < count; ++i, g += kGroupBytes) {
-    const int64_t pair = pair0 + i;
-    if (2 * pair >= refresh) {
-      refresh = fill_lane_scales(p, t, pair, lane_scale);
-      for (int j = 0; j < 8; ++j) scale[j] = _mm256_load_ps(lane_scale + 8 * j);
-    }
-    float* row = panel + 2 * i * kTileN;
-    for (int j = 0; j < 4; ++j) {
-      __m256 e, o;
-      convert16<Format>(g + 16 * j, e, o);
-      _mm256_store_ps(row + 8 * j, _mm256_mul_ps(e, scale[j]));
-      _mm256_store_ps(row + kTileN + 8 * j, _mm256_mul_ps(o, scale[4 + j]));
-    }
-  }
-}
-
-// Rows x a converted panel of `depth` k, 16 channels at a time,
-// accumulating into acc_rows (32 channels per row).
-template <int Rows>
-void panel_rows(const float* panel, int64_t depth, const float* const* x, float* const* acc_rows) {
-  for (int v = 0; v < 4; v += 2) {
-    __m256 acc[Rows][2];
-    for (int r = 0; r < Rows; ++r) {
-      acc[r][0] = _mm256_loadu_ps(acc_rows[r] + 8 * v);
-      acc[r][1] = _mm256_loadu_ps(acc_rows[r] + 8 * v + 8);
-    }
-    const float* w = panel + 8 * v;
-    for (int64_t k = 0; k < depth; ++k, w += kTileN) {
-      const __m256 w0 = _mm256_load_ps(w);
-      const __m256 w1 = _mm256_load_ps(w + 8);
-      for (int r = 0; r < Rows; ++r) {
-        const __m256 xk = _mm256_broadcast_ss(x[r] + k);
-        acc[r][0] = _mm256_fmadd_ps(w0, xk, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, xk, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < Rows; ++r) {
-      _mm256_storeu_ps(acc_rows[r] + 8 * v, acc[r][0]);
-      _mm256_storeu_ps(acc_rows[r] + 8 * v + 8, acc[r][1]);
-    }
-  }
-}
-
-using PanelRowsFn = void (*)(const float*, int64_t, const float* const*, float* const*);
-constexpr PanelRowsFn kPanelRows[kRows + 1] = {nullptr,       panel_rows<1>, panel_rows<2>, panel_rows<3>,
-                                               panel_rows<4>, panel_rows<5>, panel_rows<6>};
-
-template <int Format>
-void tile_many_rows(const LinearProblem& p, int64_t t, float* panel, float* acc) {
-  const int64_t pairs = p.Kp / 2;
-  std::fill(acc, acc + p.M * kTileN, 0.0f);
-  alignas(32) float lane_scale[kGroupBytes] = {};
-  int64_t refresh = 0;
-  for (int64_t pair0 = 0; pair0 < pairs; pair0 += kPanelPairs) {
-    const int64_t count = std::min(kPanelPairs, pairs - pair0);
-    convert_panel<Format>(p, t, pair0, count, panel, lane_scale, refresh);
-    for (int64_t m0 = 0; m0 < p.M; m0 += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, p.M - m0));
-      const float* x[kRows];
-      float* acc_rows[kRows];
-      for (int r = 0; r < rows; ++r) {
-        x[r] = p.x + (m0 + r) * p.ldx + 2 * pair0;
-        acc_rows[r] = acc + (m0 + r) * kTileN;
-      }
-      kPanelRows[rows](panel, 2 * count, x, acc_rows);
-    }
-  }
-}
-
 template <int Format>
 void linear_tiles(const LinearProblem& p, int64_t tile_begin, int64_t tile_end) {
-  alignas(32) float sums[kTileN];
-  float mult[kTileN];
   if (p.M <= 4 && (p.scale_kind != kScaleBlock || p.bk % 2 == 0)) {
     const unsigned csr = _mm_getcsr();
     if (csr & 0x40u) _mm_setcsr(csr & ~0x40u);  // DAZ would flush the FP8 subnormals
@@ -503,28 +433,7 @@ void linear_tiles(const LinearProblem& p, int64_t tile_begin, int64_t tile_end) 
     if (csr & 0x40u) _mm_setcsr(csr);
     return;
   }
-  if (p.M == 1) {
-    const bool folded = p.scale_kind == kScaleBlock;
-    for (int64_t t = tile_begin; t < tile_end; ++t) {
-      fill_channel_mult(p, t, folded, mult);
-      if (folded) {
-        tile_single_row<Format, true>(p, t, p.x, sums);
-      } else {
-        tile_single_row<Format, false>(p, t, p.x, sums);
-      }
-      store_tile_row(p, 0, t, sums, mult);
-    }
-    return;
-  }
-  // Panel and accumulators per call (one call per thread chunk).
-  std::vector<float> panel_storage(2 * kPanelPairs * kTileN + 8);
-  float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(panel_storage.data()) + 31) & ~uintptr_t(31));
-  std::vector<float> acc(p.M * kTileN);
-  for (int64_t t = tile_begin; t < tile_end; ++t) {
-    fill_channel_mult(p, t, true, mult);
-    tile_many_rows<Format>(p, t, panel, acc.data());
-    for (int64_t m = 0; m < p.M; ++m) store_tile_row(p, m, t, acc.data() + m * kTileN, mult);
-  }
+  float32::linear_tiles<Avx2Vector, Format>(p, tile_begin, tile_end);
 }
 
 }  // namespace
@@ -648,112 +557,15 @@ void decode_attention_avx2(const DecodeAttention& a, int64_t task_begin, int64_t
   decode_attention_tasks<Avx2AttentionOps>(a, task_begin, task_end);
 }
 
-namespace {
-
-// round_to_grid (kernel.h) of 8 finite values u (already clamped).
-template <int Dropped>
-inline __m256 round_to_grid8(__m256 u, __m256 min_normal, __m256 magic) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i half = _mm256_set1_epi32((1 << (Dropped - 1)) - 1);
-  const __m256i keep = _mm256_set1_epi32(~((1 << Dropped) - 1));
-  const __m256 a = _mm256_andnot_ps(sign, u);
-  const __m256 sub = _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
-  const __m256i bits = _mm256_castps_si256(a);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, Dropped), _mm256_set1_epi32(1));
-  const __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(bits, half), odd), keep));
-  return _mm256_or_ps(_mm256_blendv_ps(normal, sub, _mm256_cmp_ps(a, min_normal, _CMP_LT_OQ)), _mm256_and_ps(sign, u));
-}
-
-// The squared rounding errors of 8 values u (already clamped), added to two
-// float64 accumulators of 4. Dropped is the grid's dropped_bits (an
-// immediate shift count).
-template <int Dropped>
-inline void add_grid_error8(__m256 u, __m256 min_normal, __m256 magic, __m256d& acc0, __m256d& acc1) {
-  const __m256 d = _mm256_sub_ps(round_to_grid8<Dropped>(u, min_normal, magic), u);
-  const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(d));
-  const __m256d d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
-  acc0 = _mm256_fmadd_pd(d0, d0, acc0);
-  acc1 = _mm256_fmadd_pd(d1, d1, acc1);
-}
-
-template <int Dropped>
-double grid_error_avx2_impl(const float* row, int64_t K, float inverse, const Fp8Grid& grid) {
-  const __m256 s = _mm256_set1_ps(inverse);
-  const __m256 hi = _mm256_set1_ps(grid.fmax), lo = _mm256_set1_ps(-grid.fmax);
-  const __m256 min_normal = _mm256_set1_ps(grid.min_normal), magic = _mm256_set1_ps(grid.magic);
-  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m256 u0 = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(row + k), s), lo), hi);
-    const __m256 u1 = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(row + k + 8), s), lo), hi);
-    add_grid_error8<Dropped>(u0, min_normal, magic, acc[0], acc[1]);
-    add_grid_error8<Dropped>(u1, min_normal, magic, acc[2], acc[3]);
-  }
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3])));
-  double error = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-  for (; k < K; ++k) {
-    const float u = std::fmin(std::fmax(row[k] * inverse, -grid.fmax), grid.fmax);
-    const float d = round_to_grid(u, grid) - u;
-    error += static_cast<double>(d) * d;
-  }
-  return error;
-}
-
-}  // namespace
-
-// grid_error_scalar, 16 values at a time: the same product, rounding and
-// float32 terms; four float64 accumulators of 4 (the sum order differs from
-// the scalar loop's only in the last bits).
+// The activation helpers (kernel_activation_impl.h) on 256-bit vectors.
 double grid_error_avx2(const float* row, int64_t K, float inverse, const Fp8Grid& grid) {
-  return grid.dropped_bits == 21 ? grid_error_avx2_impl<21>(row, K, inverse, grid)
-                                 : grid_error_avx2_impl<20>(row, K, inverse, grid);
+  return activation::grid_error_any<Avx2Vector>(row, K, inverse, grid);
 }
 
-namespace {
-
-template <int Dropped>
-void quantize_row_avx2_impl(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out) {
-  const __m256 s = _mm256_set1_ps(scale), p = _mm256_set1_ps(post);
-  const __m256 hi = _mm256_set1_ps(grid.fmax), lo = _mm256_set1_ps(-grid.fmax);
-  const __m256 min_normal = _mm256_set1_ps(grid.min_normal), magic = _mm256_set1_ps(grid.magic);
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 largest = _mm256_set1_ps(3.40282347e38f), nan = _mm256_set1_ps(NAN);
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const __m256 q = _mm256_div_ps(_mm256_loadu_ps(row + k), s);  // a division, as the scalar code
-    const __m256 finite = _mm256_cmp_ps(_mm256_and_ps(q, abs_mask), largest, _CMP_LE_OQ);
-    const __m256 u = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
-    __m256 value = _mm256_blendv_ps(nan, round_to_grid8<Dropped>(u, min_normal, magic), finite);
-    if (post != 1.0f) value = _mm256_mul_ps(value, p);
-    _mm256_storeu_ps(out + k, value);
-  }
-  if (k < K) quantize_row_scalar(row + k, K - k, scale, post, grid, out + k);
-}
-
-}  // namespace
-
-// quantize_row_scalar, 8 values at a time: the same division, clamp and
-// rounding, so the same values.
 void quantize_row_avx2(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out) {
-  if (grid.dropped_bits == 21) return quantize_row_avx2_impl<21>(row, K, scale, post, grid, out);
-  quantize_row_avx2_impl<20>(row, K, scale, post, grid, out);
+  activation::quantize_row_any<Avx2Vector>(row, K, scale, post, grid, out);
 }
 
-float finite_amax_avx2(const float* row, int64_t K) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 largest = _mm256_set1_ps(3.40282347e38f);
-  __m256 amax = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(row + k), abs_mask);
-    amax = _mm256_max_ps(amax, _mm256_and_ps(a, _mm256_cmp_ps(a, largest, _CMP_LE_OQ)));  // Inf and NaN count as 0
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, amax);
-  float result = finite_amax_scalar(row + k, K - k);
-  for (float v : lanes) result = std::fmax(result, v);
-  return result;
-}
+float finite_amax_avx2(const float* row, int64_t K) { return activation::finite_amax<Avx2Vector>(row, K); }
 
 }  // namespace qfp8

@@ -38,10 +38,9 @@
 // each group in registers as it multiplies it (every row block converts the
 // chunk again, from L1/L2); more rows multiply a bf16 panel (64 KB, in L2)
 // converted once per chunk, by the chunk's first row block as it multiplies
-// it (128-pair chunks in L1 measured 4 % slower at M = 256). The last row
-// block prefetches the next chunk's weights, a line per k pair. When the
-// activations outgrow L2, four tiles go through K
-// together, so each row block's activations are read once for the four. The
+// it (512-pair chunks: smaller ones in L1 are slower at large M). The last
+// row block prefetches the next chunk's weights, a line per k pair. When the
+// activations outgrow L2, four tiles go through K together, so each row block's activations are read once for the four. The
 // activations of these loops are laid out by register block (Activations).
 // When the activations outgrow the cache, the rows go through the tiles in
 // groups, and a group's rows through K in segments (see RowGroup).
@@ -63,6 +62,7 @@
 #define QFP8_AVX512_ENTRY linear_tiles_avx512bf16_float32
 #include "kernel_avx512_impl.h"
 #undef QFP8_AVX512_ENTRY
+#include "kernel_activation_impl.h"
 #include "kernel_bf16_common.h"
 
 namespace qfp8 {
@@ -73,23 +73,12 @@ constexpr int64_t kChunkPairs = 512;  // k pairs per converted panel chunk: 512 
 constexpr int64_t kGroupTiles = 4;    // tiles that go through K together (M > 4)
 constexpr int kMaxRows = 12;          // virtual rows per register block: 24 zmm accumulators
 constexpr int kFewRows = 4;           // up to this many virtual rows: the fused loop (tile_few_rows)
-// Groups ahead the fused loop asks for: 8 KB, but 4 KB for one row when
-// threads share the call (each then gets less of the memory's bandwidth).
-// Zen 5, cold weights, one row: one thread 0.6-5 % faster at 8 KB than 4 KB
-// (10 and 12 KB no better, 16 KB slower); two threads 1-2 % slower at 8 KB.
-// At M = 4 (one thread), 3-7 % faster at 8 KB.
-// Zen 4 (AMD family 0x19; Zen 3, the same family, has no AVX512): 56 pairs
-// (3.5 KB). Same-process medians, one thread, cold weights, speed-up over
-// bf16 at 56 and 128 pairs, 4096 x 4096 / 4096 x 14336 / 14336 x 4096:
-// M = 1 5.01x, 4.71x / 4.85x, 4.55x / 5.11x, 4.85x; M = 4 3.94x, 3.62x /
-// 3.73x, 3.34x / 3.54x, 3.36x. 64 pairs was as fast at M = 1 but 3-12 %
-// slower than 56 at M = 4, and 48 or fewer slower at M = 1.
-// Intel (a Xeon with AMX, one thread, cold weights, the kernel alone, same
-// run): 32 pairs (2 KB) read 4096 x 4096 / 4096 x 14336 / 14336 x 4096 at
-// 15.3-15.5 / 15.5 / 15.9-16.0 GB/s, 128 pairs at 11.7-11.9 / 11.6 / 11.9-12.5
-// (a plain streaming read: 15.7); 16 and 48 pairs 14.5-14.8 GB/s, 64 13.3.
-// There, prefetcht0 far ahead keeps L1 fill buffers waiting on DRAM that
-// the L2 streamer would have filled anyway.
+// Groups ahead the fused loop asks for, tuned per CPU family (the figures
+// are in docs/cpu-kernels-measurements.md): 8 KB by default, 4 KB for one
+// row when threads share the call (each then gets less of the memory's
+// bandwidth), 3.5 KB on Zen 4 (AMD family 0x19), 2 KB on Intel, where
+// prefetcht0 far ahead keeps L1 fill buffers waiting on DRAM that the L2
+// streamer would have filled anyway.
 constexpr int64_t kPrefetchPairs = 128;
 constexpr int64_t kZen4PrefetchPairs = 56;
 constexpr int64_t kIntelPrefetchPairs = 32;
@@ -108,11 +97,9 @@ int64_t prefetch_pairs() {
   return pairs;
 }
 
-
 inline __m512 dot(__m512 acc, __m512i w, __m512i x) {
   return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
 }
-
 
 constexpr int64_t kActivationGroupPairs = kActivationGroup / 2;
 
@@ -215,13 +202,10 @@ struct Activations {
   std::vector<int64_t> output_row;  // [rows]: the row of x (and of y) of virtual row v
   // More than kFewRows rows: [chunk][block][pair][row], each register block's
   // rows side by side at each pair, so that the block's broadcasts at one pair
-  // read one cache line. Row by row, the rows of a block lay K * 2 bytes apart
-  // and fell in the same few L1 sets (K = 4096: 8 KB apart): 12-row panel
-  // loops from L2 ran at 88 % (K = 4096) and 82 % (K = 14336) of the
-  // interleaved rate (Zen 4, a standalone loop). Not zeroed first: page
-  // faults and zeroing had cost more than the copy (2048 x 14336, 58 MB: the
-  // call's preparation 46 ms before, 11 ms so); scratch memory, reused from
-  // call to call (kernel.h).
+  // read one cache line (row by row, the rows of a block lie K * 2 bytes
+  // apart and fall in the same few L1 sets). Not zeroed first: page faults
+  // and zeroing cost more than the copy; scratch memory, reused from call to
+  // call (kernel.h).
   ScratchBuffer<uint32_t> blocked;
 
   static ScratchBuffer<uint32_t> allocate(int64_t count) {
@@ -244,8 +228,8 @@ struct Activations {
   // Lays the row-by-row pairs out by chunk and block (more than kFewRows rows
   // only), block by block: each block's rows are read front to back. Returns
   // false when `check` and a nonzero magnitude is below kTinyActivation
-  // (bf16 x, checked as it is copied: a pass of its own over a 2048 x 14336
-  // x took 7.7 ms, the copy 6.5 ms).
+  // (bf16 x, checked as it is copied: a pass of its own would cost about as
+  // much as the copy).
   bool interleave(bool check) {
     blocked = allocate(rows * pairs);
     __mmask32 too_small = 0;
@@ -389,8 +373,8 @@ constexpr FewRowsFn kFewRowsFns[2][kFewRows + 1] = {
 
 // The runs of a panel chunk over which the scales are constant (one weight
 // block and one activation group), with their scales: a chunk keeps its
-// 512 pairs whatever the block and group sizes (64-pair chunks measured
-// 12-16 % slower at M = 128-512, block scales or not), and its partial sums
+// 512 pairs whatever the block and group sizes (shorter chunks are slower at
+// large M, block scales or not), and its partial sums
 // are scaled and added at the end of each run.
 struct ChunkRuns {
   int count = 0;
@@ -407,14 +391,10 @@ struct ChunkRuns {
 // a line per pair.
 // Whether the register blocks convert the FP8 groups as they multiply them
 // (up to kFusedMaxRows virtual rows) instead of multiplying a bf16 panel
-// converted once per chunk. Zen 4 runs the conversion's byte shuffles beside
-// vdpbf16ps (a 12-row fused loop from L1: 24.6 cycles a pair against 24 for
-// the multiplies alone), but writes the panel at 32 bytes a cycle (8 cycles a
-// pair, the multiplies of 4 rows): same-process medians, 4096 x 4096, one
-// thread, bf16's time over qfp8's, panel then fused: M = 8 1.77x, 2.56x;
-// M = 16 1.46x, 1.81x; M = 64 1.14x, 1.18x; M = 128 1.05x, 1.06x; M = 256
-// 1.01x, 1.00x. Past 64 rows the panel stays (measured as fast here, and
-// the layout that Zen 5 was tuned on).
+// converted once per chunk. The conversion's byte shuffles run beside
+// vdpbf16ps almost for free, while writing the panel costs as much as the
+// multiplies of 4 rows, so few rows gain most; past 64 rows the two are as
+// fast and the panel stays.
 constexpr int64_t kFusedMaxRows = 64;
 inline bool fuses(const Activations& a) { return a.rows <= kFusedMaxRows; }
 
@@ -423,10 +403,7 @@ inline bool fuses(const Activations& a) { return a.rows <= kFusedMaxRows; }
 // in registers as they are multiplied, and with kFusedToPanel also stored
 // into the panel for the row blocks after it. The first row block of a
 // panel chunk does that instead of a conversion pass of its own before the
-// blocks: the shuffles then run beside its vdpbf16ps. Same-process medians,
-// one thread, hot weights, against the pass (Zen 5): 4096 x 4096 at M = 256
-// 0.96x the time (470 -> 491 GFLOPS), M = 100 0.93x, 14336 x 4096 at M = 256
-// (row groups of 128) 0.94x; the same bits.
+// blocks: the shuffles then run beside its vdpbf16ps (the same bits).
 enum Source : int { kFromPanel = 0, kFused = 1, kFusedToPanel = 2 };
 
 struct BlockWeights {
@@ -468,10 +445,9 @@ inline void panel_sums(const BlockWeights& bw, const uint32_t* x, int64_t begin,
 }
 
 // The scales panel_rows applies to each run's sums, a template argument so
-// that the adds at a run's end are straight-line code: with them chosen at
-// run time (and the output rows' pointers read from memory at each run's
-// end), 128 x 128 block scales took 1.13-1.18x the time of channel scales
-// at M = 64-256 (Zen 5, 4096 x 4096, same-process medians); 1.03-1.05x so.
+// that the adds at a run's end are straight-line code (chosen at run time,
+// with the output rows' pointers read from memory at each run's end, they
+// added a tenth or more to the time of block scales over channel scales).
 enum RunScales : int { kNoRunScales = 0, kLaneScales = 1, kRowScales = 2, kLaneAndRowScales = 3 };
 
 template <int Rows, int Src, int Scales>
@@ -509,7 +485,7 @@ void panel_rows(const BlockWeights& bw, const uint32_t* x, float* const* acc_row
 // scales) of one-part activations: the finished sums go straight to the
 // output rows m0.. (store_lanes), not through the lane-order accumulators.
 // With little K per output (K = 64-512 at large M) the accumulators' zeroing,
-// adding and reading back had cost as much as the multiplies.
+// adding and reading back would cost as much as the multiplies.
 template <int Rows, int Src>
 void panel_rows_store(const LinearProblem& p, const BlockWeights& bw, const uint32_t* x, int64_t count, int64_t m0,
                       int64_t tile, const float* mult, const uint8_t* prefetch) {
@@ -557,26 +533,21 @@ inline bool stores_directly(const LinearProblem& p, const Activations& a) {
   return p.scale_kind != kScaleBlock && !p.group_scale && a.parts == 1 && a.rows > kFewRows && a.pairs <= kChunkPairs;
 }
 
-
 // Row groups and K segments. Each group of tiles reads every row block's
 // activations once; with more activations than the cache keeps between two
-// groups (this 2-core Zen 5's share of a shared L3: about 5 MB, measured),
-// every group read them from memory. Before the two changes below (one
-// thread, same-process medians against bf16 F.linear): 256 x 14336 (rows x
-// K, N = 4096) 0.82-0.93x, 512 x 14336 0.84x, 2048 x 4096 0.82-0.86x. So:
+// groups (a core's share of a shared L3, a few MB), every group would read
+// them from memory. So:
 // - past kCachedBytes of activations of one part (the parts of a row must
 //   meet in its sums), the rows go in groups that each go through every tile
 //   (the weights are read and converted again per group): as many rows as
 //   keep a group's activations within kCachedBytes, kMinGroupRows to
-//   kMaxGroupRows. At K = 4096, 256-row groups measured best of 128-512.
+//   kMaxGroupRows.
 // - past kCachedBytes of a group's activations (several parts, or a K so
 //   long that kMinGroupRows outgrow it), its tiles go through K a segment
 //   (of up to kSegmentBytes) at a time, all the tiles of a span before the
-//   next segment, keeping their sums in lane order until the last. (At
-//   K = 14336 this and 256-row groups measured as fast as groups that fit.)
-// After: 0.96-0.99x at K = 14336 for 256-2048 rows, 0.97-1.01x at 2048 x
-// 4096. Either way each sum gets the same additions in the same order: the
-// same bits.
+//   next segment, keeping their sums in lane order until the last.
+// Either way each sum gets the same additions in the same order: the same
+// bits.
 constexpr int64_t kCachedBytes = int64_t(4) << 20;
 constexpr int64_t kMinGroupRows = 96;
 constexpr int64_t kMaxGroupRows = 256;
@@ -692,9 +663,9 @@ void tile_group(const LinearProblem& p, const Tables& tb, const Activations& a, 
         for (int r = 0; r < rows; ++r) acc_rows[r] = acc + (j * g.rows + a.output_row[v0 + r] - g.m0) * kTileN;
         // The last row block asks for each tile's next chunk (after the
         // segment's last, its first in the tile a group further), a line per
-        // k pair, so that it streams in while this one is multiplied. From
-        // the first, the lines waited through every block and had partly
-        // left L2 again: 2 % slower at M = 256.
+        // k pair, so that it streams in while this one is multiplied (asked
+        // for by the first block, the lines would wait through every block
+        // and partly leave L2 again).
         const uint8_t* next = w + j * tile_bytes +
                               (c0 + count < c_end ? (c0 + count) * kGroupBytes : tiles * tile_bytes + c_begin * kGroupBytes);
         const void* weights = w + j * tile_bytes + c0 * kGroupBytes;
@@ -750,8 +721,8 @@ void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, i
   const int64_t row_groups = bf16::row_group_count(a);
   for (int64_t r = 0; r < row_groups; ++r) {
     const bf16::RowGroup g = bf16::row_group(p, a, r, row_groups);
-    // Grouped tiles only when the activations outgrow L2 (measured: no gain
-    // below, and 16-row calls slowed by a few %).
+    // Grouped tiles only when the activations outgrow L2 (below, grouping
+    // gains nothing and slows small calls).
     const bool large = g.virtual_rows(a) * a.pairs * 4 > (int64_t(512) << 10);
     const int64_t group = std::min<int64_t>(large ? bf16::kGroupTiles : 1, tile_end - tile_begin);
     const int64_t segment = bf16::segment_pairs(a, g);
@@ -784,75 +755,44 @@ void linear_tiles_avx512bf16(const LinearProblem& problem, int64_t tile_begin, i
 }
 
 // ------------------------------------------------------------ activation helpers
-// The AVX2 helpers (kernel_avx2.cpp) 16 values at a time: the same IEEE
-// operations per value, so quantize_row and finite_amax give the same bits;
-// grid_error sums its float32 terms in another order (last bits of a float64).
+// grid_error, quantize_row and finite_amax are kernel_activation_impl.h's on
+// 512-bit vectors; the row helpers read a row of x as given (kernel.h).
 
 namespace {
 
-// round_to_grid (kernel.h) of 16 finite values u (already clamped).
-template <int Dropped>
-inline __m512 round_to_grid16(__m512 u, __m512 min_normal, __m512 magic) {
-  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-  const __m512i half = _mm512_set1_epi32((1 << (Dropped - 1)) - 1);
-  const __m512i keep = _mm512_set1_epi32(~((1 << Dropped) - 1));
-  const __m512i bits = _mm512_andnot_si512(sign, _mm512_castps_si512(u));
-  const __m512 a = _mm512_castsi512_ps(bits);
-  const __m512 sub = _mm512_sub_ps(_mm512_add_ps(a, magic), magic);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, Dropped), _mm512_set1_epi32(1));
-  const __m512 normal = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(bits, half), odd), keep));
-  const __m512 rounded = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, min_normal, _CMP_LT_OQ), normal, sub);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(rounded), _mm512_and_si512(sign, _mm512_castps_si512(u))));
-}
+// 512-bit vectors for the activation helpers (kernel_activation_impl.h).
+struct Avx512Ops : Avx512Vector {
+  using Int = __m512i;
+  using Double = __m512d;
+  using Mask = __mmask16;
 
-template <int Dropped>
-inline void add_grid_error16(__m512 u, __m512 min_normal, __m512 magic, __m512d& acc0, __m512d& acc1) {
-  const __m512 d = _mm512_sub_ps(round_to_grid16<Dropped>(u, min_normal, magic), u);
-  const __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(d));
-  const __m512d d1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(d, 1));
-  acc0 = _mm512_fmadd_pd(d0, d0, acc0);
-  acc1 = _mm512_fmadd_pd(d1, d1, acc1);
-}
-
-template <int Dropped>
-double grid_error_impl(const float* row, int64_t K, float inverse, const Fp8Grid& grid) {
-  const __m512 s = _mm512_set1_ps(inverse);
-  const __m512 hi = _mm512_set1_ps(grid.fmax), lo = _mm512_set1_ps(-grid.fmax);
-  const __m512 min_normal = _mm512_set1_ps(grid.min_normal), magic = _mm512_set1_ps(grid.magic);
-  __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const __m512 u0 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(row + k), s), lo), hi);
-    const __m512 u1 = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(row + k + 16), s), lo), hi);
-    add_grid_error16<Dropped>(u0, min_normal, magic, acc[0], acc[1]);
-    add_grid_error16<Dropped>(u1, min_normal, magic, acc[2], acc[3]);
-  }
-  double error = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(acc[0], acc[1]), _mm512_add_pd(acc[2], acc[3])));
-  for (; k < K; ++k) {
-    const float u = std::fmin(std::fmax(row[k] * inverse, -grid.fmax), grid.fmax);
-    const float d = round_to_grid(u, grid) - u;
-    error += static_cast<double>(d) * d;
-  }
-  return error;
-}
-
-template <int Dropped>
-void quantize_row_impl(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out) {
-  const __m512 s = _mm512_set1_ps(scale), p = _mm512_set1_ps(post);
-  const __m512 hi = _mm512_set1_ps(grid.fmax), lo = _mm512_set1_ps(-grid.fmax);
-  const __m512 min_normal = _mm512_set1_ps(grid.min_normal), magic = _mm512_set1_ps(grid.magic);
-  const __m512 largest = _mm512_set1_ps(3.40282347e38f), nan = _mm512_set1_ps(NAN);
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 q = _mm512_div_ps(_mm512_loadu_ps(row + k), s);  // a division, as the scalar code
-    const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(q), largest, _CMP_LE_OQ);
-    const __m512 u = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
-    __m512 value = _mm512_mask_blend_ps(finite, nan, round_to_grid16<Dropped>(u, min_normal, magic));
-    if (post != 1.0f) value = _mm512_mul_ps(value, p);
-    _mm512_storeu_ps(out + k, value);
-  }
-  if (k < K) quantize_row_scalar(row + k, K - k, scale, post, grid, out + k);
-}
+  static Float set1(float v) { return _mm512_set1_ps(v); }
+  static Float sub(Float a, Float b) { return _mm512_sub_ps(a, b); }
+  static Float div(Float a, Float b) { return _mm512_div_ps(a, b); }
+  static Float min(Float a, Float b) { return _mm512_min_ps(a, b); }
+  static Float max(Float a, Float b) { return _mm512_max_ps(a, b); }
+  static Float abs(Float a) { return _mm512_abs_ps(a); }
+  static Int set1_int(int v) { return _mm512_set1_epi32(v); }
+  static Int as_int(Float a) { return _mm512_castps_si512(a); }
+  static Float as_float(Int a) { return _mm512_castsi512_ps(a); }
+  static Int and_int(Int a, Int b) { return _mm512_and_si512(a, b); }
+  static Int andnot_int(Int a, Int b) { return _mm512_andnot_si512(a, b); }
+  static Int or_int(Int a, Int b) { return _mm512_or_si512(a, b); }
+  static Int add_int(Int a, Int b) { return _mm512_add_epi32(a, b); }
+  template <int N>
+  static Int srli(Int a) { return _mm512_srli_epi32(a, N); }
+  static Mask less(Float a, Float b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+  static Mask less_equal(Float a, Float b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+  static Float select(Mask m, Float if_true, Float if_false) { return _mm512_mask_blend_ps(m, if_false, if_true); }
+  static Float keep(Mask m, Float a) { return _mm512_maskz_mov_ps(m, a); }
+  static Double zero_double() { return _mm512_setzero_pd(); }
+  static Double low_double(Float a) { return _mm512_cvtps_pd(_mm512_castps512_ps256(a)); }
+  static Double high_double(Float a) { return _mm512_cvtps_pd(_mm512_extractf32x8_ps(a, 1)); }
+  static Double fmadd_double(Double a, Double b, Double c) { return _mm512_fmadd_pd(a, b, c); }
+  static Double add_double(Double a, Double b) { return _mm512_add_pd(a, b); }
+  static double reduce_add_double(Double a) { return _mm512_reduce_add_pd(a); }
+  static float reduce_max(Float a) { return _mm512_reduce_max_ps(a); }
+};
 
 // 16 values of a row given as float32, bf16 or fp16 (RowKind), as float32;
 // the lanes past `lanes` are zero.
@@ -945,23 +885,13 @@ float finite_amax_row_avx512bf16(const void* row, int kind, int64_t K) {
 }
 
 double grid_error_avx512bf16(const float* row, int64_t K, float inverse, const Fp8Grid& grid) {
-  return grid.dropped_bits == 21 ? grid_error_impl<21>(row, K, inverse, grid) : grid_error_impl<20>(row, K, inverse, grid);
+  return activation::grid_error_any<Avx512Ops>(row, K, inverse, grid);
 }
 
 void quantize_row_avx512bf16(const float* row, int64_t K, float scale, float post, const Fp8Grid& grid, float* out) {
-  if (grid.dropped_bits == 21) return quantize_row_impl<21>(row, K, scale, post, grid, out);
-  quantize_row_impl<20>(row, K, scale, post, grid, out);
+  activation::quantize_row_any<Avx512Ops>(row, K, scale, post, grid, out);
 }
 
-float finite_amax_avx512bf16(const float* row, int64_t K) {
-  const __m512 largest = _mm512_set1_ps(3.40282347e38f);
-  __m512 amax = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(row + k));
-    amax = _mm512_mask_max_ps(amax, _mm512_cmp_ps_mask(a, largest, _CMP_LE_OQ), amax, a);  // Inf and NaN count as 0
-  }
-  return std::fmax(_mm512_reduce_max_ps(amax), finite_amax_scalar(row + k, K - k));
-}
+float finite_amax_avx512bf16(const float* row, int64_t K) { return activation::finite_amax<Avx512Ops>(row, K); }
 
 }  // namespace qfp8

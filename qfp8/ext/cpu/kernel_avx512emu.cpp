@@ -2,8 +2,8 @@
 // with -mavx2 -mfma -mf16c): each 512-bit intrinsic the kernel uses is done
 // on two 256-bit halves. It is never chosen by the CPU dispatch; the tests
 // select it ("avx512emu") to run the AVX512 kernel's own code (tiles, lane
-// order, tails, panel blocking, scale folding) on CPUs without AVX512, which
-// is every machine the project has tested on so far. The halves compute what
+// order, tails, panel blocking, scale folding) on CPUs without AVX512. The
+// halves compute what
 // the 512-bit instructions compute: loads and stores move the same bytes,
 // vcvtph2ps is exact, and vfmadd231ps stays fused, so the results are bitwise
 // those of the real instructions. Only the instruction encoding and the

@@ -141,7 +141,6 @@ inline void store_lanes(const LinearProblem& p, int64_t m, int64_t tile, const f
   store_lanes(p, m, tile, _mm512_loadu_ps(lanes), _mm512_loadu_ps(lanes + 16), mult);
 }
 
-
 // The bf16 parts of 16 values (masked lanes read as zero): hi, mid, lo;
 // returns the values.
 // Each part is the bf16 rounding (to nearest even) of what the previous
@@ -186,7 +185,6 @@ inline void split32(const float* x, int64_t count, __m512 (&lo)[3], __m512 (&hi)
   check.need_mid |= _mm512_cmp_ps_mask(lo[1], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[1], zero, _CMP_NEQ_UQ);
   check.need_lo |= _mm512_cmp_ps_mask(lo[2], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[2], zero, _CMP_NEQ_UQ);
 }
-
 
 }  // namespace
 }  // namespace bf16
