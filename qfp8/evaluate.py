@@ -59,7 +59,6 @@ __all__ = [
     "logits_of",
     "perplexity",
     "pydoc_text",
-    "save_tiny_llama",
     "score",
     "smollm2_gguf",
     "token_ids",
