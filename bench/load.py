@@ -30,10 +30,9 @@ and the median of the per-step ratios to ``qfp8.from_pretrained``.
 from __future__ import annotations
 
 import argparse
-import datetime
+import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from provenance import collect  # noqa: E402  (bench/provenance.py, beside this script)
 
 import qfp8  # noqa: E402
 
@@ -62,35 +63,6 @@ TINY = dict(
     vocab_size=1024, max_position_embeddings=256, tie_word_embeddings=False,
 )  # fmt: skip
 MEMORY_TARGET = 1.3
-
-
-def provenance(argv: list[str]) -> dict:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import transformers
-
-    return {
-        "commit": commit,
-        "cpu": cpu,
-        "machine": platform.machine(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", "bench/load.py", *argv]),
-    }
 
 
 def write_checkpoint(sizes: dict, folder: Path, seed: int = 0) -> int:
@@ -306,7 +278,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = {"provenance": provenance(argv), "memory_target": MEMORY_TARGET}
+    result = {
+        "provenance": {**collect(), "transformers": importlib.metadata.version("transformers")},
+        "memory_target": MEMORY_TARGET,
+    }
     if not args.skip_memory:
         sizes = TINY if args.quick else LLAMA_1B
         print(f"memory: writing and loading a {sizes['num_hidden_layers']}-layer checkpoint ...", file=sys.stderr)

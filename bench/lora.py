@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from provenance import collect  # bench/provenance.py, beside this script
 from torch import nn
 
 import qfp8
@@ -54,33 +52,6 @@ SMOLLM2_CONFIG = {  # SmolLM2-135M's shapes
     "tie_word_embeddings": True,
 }
 TINY_CONFIG = {**SMOLLM2_CONFIG, "num_hidden_layers": 2, "vocab_size": 512, "tie_word_embeddings": False}
-
-
-def provenance(args, argv) -> dict:
-    """Where the numbers come from: enough to cite a row and to run it again."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    cpu_model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "commit": commit or None,
-        "cpu_model": cpu_model,
-        "isa": cpu.cpu_kernel_isa(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
-    }
 
 
 def interleaved(calls: dict, rounds: int, baseline: str) -> dict:
@@ -210,7 +181,7 @@ def main(argv=None) -> int:
     models = args.models or (["tiny"] if args.quick else ["smollm2-135m"])
     print(f"qfp8 CPU kernel: {cpu.cpu_kernel_isa()}, threads: {args.threads}, torch {torch.__version__}")
     print(f"Linear layer, forward + backward to the input, bf16 input, {rounds} interleaved rounds (medians)")
-    result = {"provenance": provenance(args, argv), "layer": layer_rows(shapes, args.rows, rounds), "lora": []}
+    result = {"provenance": collect(), "layer": layer_rows(shapes, args.rows, rounds), "lora": []}
     for name in models:
         result["lora"] += lora_rows(name, args.seq_len, rounds)
     if args.json:

@@ -19,19 +19,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
+from provenance import collect  # bench/provenance.py, beside this script
 
 import qfp8
-from qfp8.library import cpu
 from qfp8.nn.conv import quantize_convolution
 from qfp8.nn.scheme import QuantizationScheme
 
@@ -147,30 +143,6 @@ def unet_row(size: str, rounds: int) -> dict:
     }
 
 
-def provenance(args) -> dict:
-    root = Path(__file__).resolve().parents[1]
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    model = platform.processor()
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "commit": commit,
-        "cpu": model,
-        "isa": cpu.cpu_kernel_isa(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-    }
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes and UNet, few rounds (CI)")
@@ -182,7 +154,7 @@ def main(argv=None) -> dict:
     rounds = args.rounds or (3 if args.quick else 7)
     convs = conv_rows(QUICK_CONV_SHAPES if args.quick else CONV_SHAPES, rounds)
     unet = unet_row("tiny" if args.quick else "medium", rounds)
-    result = {"provenance": provenance(args), "rounds": rounds, "conv": convs, "unet": unet}
+    result = {"provenance": collect(), "rounds": rounds, "conv": convs, "unet": unet}
     print(f"{'conv (bf16 input NCHW)':32} {'bf16 ms':>9} {'qfp8 ms':>9} {'ratio':>6} {'qfp8 CL ms':>11} {'ratio':>6}")
     for row in convs:
         print(

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_lora_quick_writes_layer_and_training_rows(tmp_path):
+def test_bench_lora_quick_writes_layer_and_training_rows(tmp_path, check_provenance):
     from qfp8.library import cpu
 
     if cpu.cpu_kernel_isa() is None:
@@ -30,7 +30,7 @@ def test_bench_lora_quick_writes_layer_and_training_rows(tmp_path):
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     source = data["provenance"]
-    assert set(source) == {"commit", "cpu_model", "isa", "torch", "threads", "date", "command"}
+    check_provenance(data, "lora.py")
     assert source["threads"] == 1 and "--quick" in source["command"] and source["isa"] == cpu.cpu_kernel_isa()
     assert {row["scheme"] for row in data["layer"]} == {"w8a16", "w8a8"}
     for row in data["layer"]:

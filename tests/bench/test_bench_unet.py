@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_unet_quick_writes_rows_and_provenance(tmp_path):
+def test_bench_unet_quick_writes_rows_and_provenance(tmp_path, check_provenance):
     pytest.importorskip("diffusers", reason="the bench builds a diffusers UNet")
     out = tmp_path / "unet.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -24,7 +24,7 @@ def test_bench_unet_quick_writes_rows_and_provenance(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
-    assert set(data["provenance"]) == {"commit", "cpu", "isa", "torch", "threads", "date", "command"}
+    check_provenance(data, "unet.py")
     assert data["provenance"]["threads"] == 1
     assert len(data["conv"]) == 2
     for row in data["conv"]:

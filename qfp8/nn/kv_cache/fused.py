@@ -10,6 +10,11 @@ import torch
 from qfp8.nn.attention import PACKED_SDPA, packed_sdpa
 from qfp8.nn.kv_cache.numerics import KV_CACHE_DTYPES
 
+__all__ = [
+    "FUSED_ATTENTION",
+    "fused_attention_on",
+]
+
 FUSED_ATTENTION = "qfp8_fp8_kv_sdpa"
 
 

@@ -22,6 +22,12 @@ from qfp8.nn.kv_cache.layers import (
 from qfp8.nn.kv_cache.mixin import Float8KVAttentionMixin, _with_mixin, attention_modules, check_supported
 from qfp8.nn.kv_cache.numerics import KV_CACHE_DTYPES, KV_ROUNDING_BUFFERS
 
+__all__ = [
+    "enable_fp8_kv_cache",
+    "kv_cache_nbytes",
+    "set_fp8_kv_cache_enabled",
+]
+
 
 def _cache_from(kwargs: dict):
     cache = kwargs.get("cache")

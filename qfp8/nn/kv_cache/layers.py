@@ -13,6 +13,13 @@ from qfp8.library import attention as attention_ops
 from qfp8.nn.kv_cache.fused import FUSED_ATTENTION
 from qfp8.nn.kv_cache.numerics import GROWTH_CHECK_TOKENS, dequantize_kv, per_head_scale, quantize_kv
 
+__all__ = [
+    "Float8DynamicLayer",
+    "Float8DynamicSlidingWindowLayer",
+    "Float8StaticLayer",
+    "Float8StaticSlidingWindowLayer",
+]
+
 
 def _cat_tokens(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """FP8 states joined along the tokens. Under torch.autocast, torch.cat refuses FP8 tensors ("Unexpected

@@ -23,6 +23,15 @@ from qfp8.nn.kv_cache.numerics import (
 )
 from qfp8.nn.qlinear import keep_buffer_dtypes
 
+__all__ = [
+    "Float8KVAttentionMixin",
+    "attention_modules",
+    "check_supported",
+    "k_rounding_state",
+    "load_k_rounding",
+    "search_scale",
+]
+
 
 class Float8KVAttentionMixin:
     """Added to each attention module's class: FP8 KV-cache settings, static scales, calibration."""

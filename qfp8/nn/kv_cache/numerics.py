@@ -9,6 +9,20 @@ from torch import nn
 from qfp8 import formats, rounding
 from qfp8.library import attention as attention_ops
 
+__all__ = [
+    "DYNAMIC_HEADROOM",
+    "GROWTH_CHECK_TOKENS",
+    "KV_CACHE_DTYPES",
+    "KV_ROUNDING_BUFFERS",
+    "KV_ROUNDING_DAMPING",
+    "SCALE_SEARCH_ROWS",
+    "SCALE_SEARCH_STEPS",
+    "dequantize_kv",
+    "per_head_scale",
+    "quantize_kv",
+    "set_k_rounding",
+]
+
 KV_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 DYNAMIC_HEADROOM = 2.0
 # One-token steps check whether a dynamic scale still fits while the cache holds fewer tokens than this (a
