@@ -843,8 +843,7 @@ def from_pretrained(
         dtype = torch_dtype
     if device is not None and device_map is not None:
         raise TypeError("from_pretrained: give device or device_map, not both")
-    if not isinstance(trust_remote_code, bool):
-        raise TypeError(f"from_pretrained: trust_remote_code must be a bool, got {type(trust_remote_code).__name__}")
+    check_flag(trust_remote_code, "from_pretrained")  # before any file is read
     if device is not None:
         device_map = _usable_device(device)
     elif not isinstance(device_map, (dict, type(None))) and device_map not in sources.SINGLE_DEVICE_MAPS:

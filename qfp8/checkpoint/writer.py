@@ -436,6 +436,7 @@ def model_config_dict(model: nn.Module) -> dict:
         # The lm_head was given its own weight (to quantize it): a reader
         # would tie it to the embedding again, or refuse the FP8 head.
         as_dict["tie_word_embeddings"] = False
+    as_dict.pop(qconfig.TIED_EMBEDDINGS_KEY, None)  # a config shared with a wrapping model may carry its ties
     tied = tied_embeddings(model)
     if tied:
         as_dict[qconfig.TIED_EMBEDDINGS_KEY] = tied

@@ -452,6 +452,8 @@ def prepare_save(model) -> None:
     tied = tied_embeddings(model)
     if tied:
         setattr(model.config, qconfig.TIED_EMBEDDINGS_KEY, tied)
+    elif hasattr(model.config, qconfig.TIED_EMBEDDINGS_KEY):  # set when the model around this one (its head) was
+        delattr(model.config, qconfig.TIED_EMBEDDINGS_KEY)
 
 
 def enable_transformers_save(model: nn.Module) -> None:
