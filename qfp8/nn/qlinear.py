@@ -22,9 +22,6 @@ leave the fast path holding a stale tensor.
 from __future__ import annotations
 
 import collections
-import contextlib
-import contextvars
-import sys
 import weakref
 
 import torch
@@ -35,6 +32,10 @@ from qfp8 import formats, rounding
 from qfp8.library import kernel_by_name, select_kernel
 from qfp8.library.autograd import linear, needs_grad
 from qfp8.library.routing import REFERENCE_KERNEL, KernelRequest
+from qfp8.nn.qlinear_calibration import QLinearCalibrationMixin
+from qfp8.nn.qlinear_checks import QLinearChecksMixin, check_float_weight
+from qfp8.nn.qlinear_state import _STATE_SPEC_ONLY as _STATE_SPEC_ONLY
+from qfp8.nn.qlinear_state import QLinearStateMixin, keep_buffer_dtypes, state_spec, take_expected
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.tensor import Float8ActivationTensor, Float8WeightTensor
 
@@ -44,26 +45,6 @@ __all__ = [
     "state_spec",
     "take_expected",
 ]
-
-# Set by state_spec(): QLinear's state_dict entry for ``weight`` is then a
-# meta tensor of the right shape and dtype instead of the unpacked weight.
-_STATE_SPEC_ONLY = contextvars.ContextVar("qfp8_state_spec_only", default=False)
-
-
-@contextlib.contextmanager
-def state_spec():
-    """``model.state_dict()`` inside this block describes QLinear weights without unpacking them.
-
-    Their ``weight`` entries are meta tensors (shape and dtype only), so
-    checking a state dict's names and sizes against a large model costs no
-    copy of its weights.
-    """
-    token = _STATE_SPEC_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _STATE_SPEC_ONLY.reset(token)
-
 
 # nn.Module's global hook registries (mutated in place, never rebound): the
 # fast path in QLinear.__call__ must step aside when any hook is registered.
@@ -151,58 +132,19 @@ class _WatchedDict(collections.OrderedDict):
 _WATCHED = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-@contextlib.contextmanager
-def keep_buffer_dtypes(module: nn.Module, names: tuple[str, ...]):
-    """Around ``nn.Module._apply``: the buffers ``names`` keep their dtype (FP8 data, float32 scales) when the
-    model's dtype changes (``model.to(torch.bfloat16)`` casts every floating buffer); only their device follows."""
-    kept = {name: module._buffers.get(name) for name in names}
-    yield
-    for name, before in kept.items():
-        after = module._buffers.get(name)
-        if before is not None and after is not None and after.dtype != before.dtype:
-            setattr(module, name, before.to(after.device))
-
-
-def take_expected(state_dict, prefix: str, expected: dict, missing_keys: list, error_msgs: list) -> dict:
-    """The entries of ``state_dict`` under ``prefix`` that ``expected`` (key -> (shape, dtype or None for any
-    float)) describes and that match it; a missing key goes to ``missing_keys``, a mismatch to ``error_msgs``."""
-    loaded = {}
-    for key, (shape, dtype) in expected.items():
-        if prefix + key not in state_dict:
-            missing_keys.append(prefix + key)
-            continue
-        value = state_dict[prefix + key]
-        if tuple(value.shape) != tuple(shape) or (dtype is not None and value.dtype != dtype):
-            error_msgs.append(
-                f"{prefix}{key}: expected {dtype or 'float'} {list(shape)}, got {value.dtype} {list(value.shape)}"
-            )
-            continue
-        loaded[key] = value
-    return loaded
-
-
-def check_float_weight(weight: torch.Tensor, name: str) -> None:
-    """Raises the ValueError naming module ``name`` if the float ``weight`` holds values FP8 cannot represent."""
-    bad = formats.nonfinite_count(weight)  # in row bands: a whole-weight temporary is 0.5-1x its bytes
-    if bad:
-        raise ValueError(
-            f"module {name!r}: weight {tuple(weight.shape)} holds {bad} NaN/Inf value(s); "
-            "FP8 cannot represent them. Fix or exclude this module (exclude=[...])."
-        )
-    if weight.numel() and not torch.isfinite((amax := formats.abs_max(weight)).float()):
-        raise ValueError(
-            f"module {name!r}: weight {tuple(weight.shape)} holds values beyond float32's range (|w| up to "
-            f"{float(amax):.3g}), which its float32 scales cannot cover. Fix or exclude this "
-            "module (exclude=[...])."
-        )
-
-
 def _is_own_forward(module: nn.Module, forward) -> bool:
     """True when ``forward`` is ``type(module).forward`` bound to ``module`` (no wrapper)."""
     return getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward
 
 
-class QLinear(nn.Module):
+class QLinear(QLinearStateMixin, QLinearCalibrationMixin, QLinearChecksMixin, nn.Module):
+    """An ``nn.Linear`` with an FP8 weight (see the module docstring).
+
+    Here: building, the kernel choice and packing, the fast path and the call.
+    State-dict I/O and pickling live in :mod:`qfp8.nn.qlinear_state`, calibration and accuracy-mode rounding
+    in :mod:`qfp8.nn.qlinear_calibration`, the error messages in :mod:`qfp8.nn.qlinear_checks`.
+    """
+
     def __init__(
         self,
         in_features: int,
@@ -406,36 +348,6 @@ class QLinear(nn.Module):
             watched.owner = owner
             state[name] = watched
 
-    # Bound ops (dispatcher entries) do not pickle; they are bound again
-    # from the kernel's name on the way back.
-    _UNPICKLED = ("_fast", "_fast_op", "_op", "_kernel_op", "_eager_op", "_unpack")
-
-    def __getstate__(self):
-        state = {key: value for key, value in super().__getstate__().items() if key not in self._UNPICKLED}
-        # torch's pickling of a float8 tensor cannot be unpickled (the storage
-        # is rebuilt through a dtype lookup float8 lacks), so FP8 buffers
-        # travel as uint8 views of the same bytes and are viewed back on load.
-        buffers = dict(state["_buffers"])
-        fp8 = {}
-        for name, t in buffers.items():
-            if t is not None and t.dtype in formats.FP8_DTYPES.values():
-                buffers[name], fp8[name] = t.view(torch.uint8), t.dtype
-        state["_buffers"], state["_fp8_buffers"] = buffers, fp8
-        return state
-
-    def __setstate__(self, state):
-        # Unpickling and copy.deepcopy: the module's dicts are watched again,
-        # by this module, and its op bound again.
-        for name, dtype in state.pop("_fp8_buffers", {}).items():
-            state["_buffers"][name] = state["_buffers"][name].view(dtype)
-        super().__setstate__(state)
-        self._watch()
-        if "transformers" in sys.modules:  # a model unpickled in a new process may name qfp8's attention
-            from qfp8.nn.attention import register
-
-            register()
-        self._use_kernel(kernel_by_name(self.packing))
-
     def __prepare_scriptable__(self):
         # torch.jit.script calls this before compiling a module's forward, which TorchScript cannot parse here.
         raise TypeError(
@@ -488,11 +400,6 @@ class QLinear(nn.Module):
     def __delattr__(self, name):
         super().__delattr__(name)
         self.__dict__["_fast"] = None
-
-    @property
-    def _placed(self) -> str:
-        """``"module '<label>': "`` to put before the layer's description in a message ("" without a label)."""
-        return f"module {self.label!r}: " if self.label else ""
 
     def _uncalibrated(self, *args):
         if self.is_calibrated:  # a scale put in place since the op was bound (_buffers, register_buffer)
@@ -584,76 +491,6 @@ class QLinear(nn.Module):
                 self._raise_input_error(args[0], error)
         return super().__call__(*args, **kwargs)
 
-    def _raise_input_error(self, x, error: RuntimeError):
-        """Raises the ValueError / TypeError naming this layer if ``x`` caused the op's ``error``, else ``error``."""
-        problem = self._input_error(x)
-        if problem is None:
-            raise error
-        raise problem from error
-
-    def _state_problem(self, name: str, value, values: bool = False) -> Exception | None:
-        """The ValueError / TypeError for ``value`` as the layer's ``name`` (weight_scale, input_scale or bias), or
-        None. With ``values`` (on assignment, not on every call) a scale's values are checked too (finite, > 0);
-        without (a kernel refused the call), its layout (contiguous, as the kernels take it)."""
-        layer = f"{self._placed}QLinear({self.in_features} -> {self.out_features})"
-        if value is None:
-            return ValueError(f"{layer}: weight_scale cannot be None") if name == "weight_scale" else None
-        if not isinstance(value, torch.Tensor):
-            return TypeError(f"{layer}: {name} must be a tensor, got {type(value).__name__}")
-        if name == "bias":
-            expected, dtypes = (self.out_features,), formats.FLOAT_DTYPES + (torch.float64,)
-        elif name == "weight_scale":
-            shape = (self.out_features, self.in_features)
-            expected = formats.weight_scale_shape(shape, self.scheme.weight_scale, self.scheme.block_size)
-            dtypes = (torch.float32,)
-        else:
-            expected, dtypes = (1,), (torch.float32,)
-        if value.dtype not in dtypes:
-            return TypeError(f"{layer}: {name} is {value.dtype}; expected {' or '.join(map(str, dtypes))}")
-        if tuple(value.shape) != expected and not (name == "input_scale" and value.numel() == 1):
-            return ValueError(f"{layer}: {name} has shape {tuple(value.shape)}; expected {expected}")
-        if not values and not value.is_contiguous():  # the reference route takes any stride
-            return ValueError(
-                f"{layer}: the {name} (stride {value.stride()}) is not contiguous; assign a contiguous one"
-            )
-        device = self.qweight.device
-        if value.device != device and "meta" not in (value.device.type, device.type):
-            return ValueError(f"{layer}: {name} is on {value.device}, the layer's weights on {device}")
-        if values and name != "bias":
-            problem = formats.scale_problem(value, self.scheme.activation_dtype if name == "input_scale" else None)
-            if problem is not None:
-                return ValueError(f"{layer}: {name} holds {problem}")
-        return None
-
-    def _input_error(self, x) -> Exception | None:
-        """The ValueError / TypeError for an input the layer cannot take, or for a weight scale, input scale or
-        bias put in place by a route that bypasses assignment (the module's dicts, ``torch.func.functional_call``);
-        None if neither is the cause."""
-        layer = f"{self._placed}QLinear({self.extra_repr()})"
-        if not isinstance(x, torch.Tensor):
-            return TypeError(f"{layer}: the input must be a tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            return TypeError(f"{layer}: the input must be a floating-point tensor, got {x.dtype}")
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            return ValueError(
-                f"{layer}: the input has shape {tuple(x.shape)}, its last dimension must be {self.in_features}"
-            )
-        if x.device != self.qweight.device and x.device.type != "meta":
-            return ValueError(f"{layer}: the input is on {x.device}, the layer's weights on {self.qweight.device}")
-        if x.dtype not in formats.FLOAT_DTYPES and self.packing != "reference":
-            return TypeError(
-                f"{layer}: the input is {x.dtype}; the {self.packing} kernel takes float32, bfloat16 or float16 "
-                f"(for {x.dtype} convert the model too: model.to({x.dtype}) puts its layers on the reference route)"
-            )
-        state = (("weight_scale", self._buffers["weight_scale"]), ("bias", self._parameters["bias"]))
-        if self.scheme.activations == "static":
-            state += (("input_scale", self._buffers["input_scale"]),)
-        for name, value in state:
-            problem = self._state_problem(name, value)
-            if problem is not None:
-                return problem
-        return None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, Float8ActivationTensor):
             # Already FP8 (an nn.Linear took it through F.linear's handler): the subclass route multiplies it.
@@ -688,187 +525,6 @@ class QLinear(nn.Module):
             return op(*args)
         except (RuntimeError, AttributeError) as error:  # AttributeError: an input with no .requires_grad (a list)
             self._raise_input_error(x, error)
-
-    def _calibration_forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The running maximum of every batch seen so far sets the scale used
-        # now, so the layers downstream see this layer's quantization error.
-        # What a batch measures is kept only once the layer has taken it (a
-        # refused input leaves the calibration as it was).
-        if self.scheme.activations != "static":
-            out = self._op(x, self.qweight, self.weight_scale, self.bias, self.input_scale, *self._extra_args)
-            self._accumulate_hessian(x)
-            return out
-        x2d = x.reshape(-1, self.in_features)
-        batch_amax = formats.activation_amax(x2d, "tensor")
-        # A batch with no finite nonzero value (empty, all zeros, all NaN/Inf)
-        # measures nothing: amax = 0 would calibrate the layer to eps, where
-        # every real input saturates.
-        measured = bool(batch_amax > 0)
-        amax = self._calibration_amax
-        if measured:
-            amax = batch_amax if amax is None else torch.maximum(batch_amax, amax)
-        scale = formats.scale_from_amax(batch_amax if amax is None else amax, self.scheme.activation_dtype)
-        out = self._kernel_op(x, self.qweight, self.weight_scale, self.bias, scale, *self._extra_args)
-        if measured:
-            self._calibration_amax = amax
-        self._accumulate_hessian(x)
-        return out
-
-    def _accumulate_hessian(self, x: torch.Tensor) -> None:
-        if self.hessian is None:
-            return
-        x2d = x.detach().reshape(-1, self.in_features).to(torch.float32)
-        x2d = torch.nan_to_num(x2d, nan=0.0, posinf=0.0, neginf=0.0)
-        self._calibration_rows += x2d.shape[0]
-        if self.hessian.dim() == 1:  # "scale" reads diag(H) only: [K], not [K, K]
-            self.hessian.add_(x2d.square().sum(0))
-        else:
-            self.hessian.addmm_(x2d.t(), x2d)
-
-    def start_calibration(self) -> None:
-        self.calibrating = True
-        self._fast_op = None
-        self._calibration_amax = None
-        self._calibration_rows = 0
-        if self.float_weight is not None:
-            shape = (self.in_features,) if self.accuracy == "scale" else (self.in_features, self.in_features)
-            self.hessian = torch.zeros(shape, dtype=torch.float32, device=self.float_weight.device)
-
-    def abort_calibration(self) -> None:
-        """Leaves calibration without using what it recorded (an exception in the block): the layer's scales,
-        weights and any float weight still waiting for an accuracy mode stay as they were before it."""
-        self.calibrating = False
-        self._calibration_amax = None
-        self.hessian = None
-        self._bind_op()
-
-    def end_calibration(self) -> None:
-        self.calibrating = False
-        if self._calibration_amax is not None:
-            self.input_scale = formats.scale_from_amax(self._calibration_amax, self.scheme.activation_dtype)
-        self._calibration_amax = None
-        self._bind_op()
-        if self.hessian is not None:
-            self._requantize_for_accuracy()
-
-    @property
-    def accuracy_pending(self) -> bool:
-        """True while an accuracy-mode layer still waits for calibration data."""
-        return self.float_weight is not None
-
-    def _requantize_for_accuracy(self) -> None:
-        """Chooses the FP8 weights for the calibration inputs (see :mod:`qfp8.rounding`).
-
-        No batch reached the layer: it keeps waiting. Every input was zero (or
-        NaN/Inf, counted as zero): any choice is as good, the nearest rounding
-        stays. ``"gptq"`` with fewer calibration rows than inputs (a singular
-        ``H``, which it would overfit) runs ``"scale"`` instead; the layer's
-        ``accuracy_note`` says so (``calibrate`` warns once for all such layers).
-        """
-        hessian, self.hessian = self.hessian, None
-        rows, self._calibration_rows = getattr(self, "_calibration_rows", 0), 0
-        self.accuracy_note = None
-        if not rows:
-            return  # no calibration batch reached this layer: keep waiting
-        if not bool((hessian if hessian.dim() == 1 else hessian.diagonal()).any()):
-            self.float_weight = None  # all inputs zero: the round-to-nearest weights stay
-            self.accuracy_note = "every calibration input was zero: round-to-nearest weights kept"
-            return
-        mode = self.accuracy
-        if mode == "gptq" and rows < self.in_features:
-            mode = "scale"
-            self.accuracy_note = (
-                f"accuracy='gptq' saw {rows} calibration rows for {self.in_features} inputs (it needs more rows "
-                "than inputs): ran accuracy='scale'"
-            )
-        qweight, scale = rounding.quantize_weight(
-            self.float_weight,
-            hessian,
-            mode,
-            self.scheme.weight_dtype,
-            self.scheme.weight_scale,
-            self.scheme.block_size or formats.DEFAULT_BLOCK_SIZE,
-        )
-        self.qweight = qweight.to(self.weight_scale.device)
-        self.weight_scale = scale.to(self.weight_scale.device)
-        self.float_weight = None
-        self._use_kernel(REFERENCE_KERNEL)
-        self.pack_for_device()
-
-    # --------------------------------------------------------- state dict
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        if _STATE_SPEC_ONLY.get():
-            weight = torch.empty(self.out_features, self.in_features, dtype=self.scheme.weight_dtype, device="meta")
-        else:
-            weight = self.canonical_weight()
-        destination[prefix + "weight"] = weight
-        destination[prefix + "weight_scale"] = self.weight_scale
-        if self.input_scale is not None:
-            destination[prefix + "input_scale"] = self.input_scale
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
-
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
-        device = self.weight_scale.device if self.weight_scale.device.type != "meta" else None
-        expected = {
-            "weight": ((self.out_features, self.in_features), self.scheme.weight_dtype),
-            "weight_scale": (tuple(self.weight_scale.shape), torch.float32),
-        }
-        if self.bias is not None:
-            expected["bias"] = ((self.out_features,), None)
-        static = self.scheme.activations == "static"
-        if static and self.input_scale is not None:  # a calibrated layer's scale is part of its state
-            expected["input_scale"] = ((1,), None)
-        if strict:
-            # A W8A16 or dynamic layer has no input_scale: one in the state dict
-            # (a static checkpoint) is reported, as are names the layer never has.
-            allowed = {*expected, "input_scale"} if static else set(expected)
-            for key in state_dict:
-                if key.startswith(prefix) and key[len(prefix) :] not in allowed:
-                    unexpected_keys.append(key)
-        loaded = take_expected(state_dict, prefix, expected, missing_keys, error_msgs)
-        if static and "input_scale" not in expected and prefix + "input_scale" in state_dict:
-            value = state_dict[prefix + "input_scale"]  # fills an uncalibrated layer's empty slot
-            if value.numel() != 1:
-                error_msgs.append(f"{prefix}input_scale: expected 1 value, got shape {list(value.shape)}")
-            else:
-                loaded["input_scale"] = value
-        if "input_scale" in loaded:
-            loaded["input_scale"] = loaded["input_scale"].reshape(1).to(torch.float32)
-        # Values the kernels cannot use: NaN/Inf FP8 codes, scales that are not finite and > 0.
-        for key, divides in (("weight_scale", None), ("input_scale", self.scheme.activation_dtype)):
-            problem = formats.scale_problem(loaded[key], divides) if key in loaded else None
-            if problem is not None:
-                error_msgs.append(f"{prefix}{key}: holds {problem}")
-        if "weight" in loaded:
-            at = formats.first_nonfinite(loaded["weight"])
-            if at is not None:
-                code = int(loaded["weight"][at].view(torch.uint8))
-                error_msgs.append(
-                    f"{prefix}weight: {self.scheme.weight_dtype} [{self.out_features}, {self.in_features}] holds a "
-                    f"NaN/Inf code (0x{code:02X}) at {list(at)}"
-                )
-        if error_msgs or missing_keys and strict:
-            return
-        target = device or loaded.get("weight", self.qweight).device
-        if "weight" in loaded:
-            self.qweight = loaded["weight"].to(target)
-            self._use_kernel(REFERENCE_KERNEL)
-        if "weight_scale" in loaded:
-            self.weight_scale = loaded["weight_scale"].to(target)
-        if "input_scale" in loaded:
-            self.input_scale = loaded["input_scale"].to(target)
-            self._bind_op()
-        if "bias" in loaded:
-            value = loaded["bias"].to(device=target, dtype=self.orig_dtype)
-            if local_metadata.get("assign_to_params_buffers", False) or self.bias.device.type == "meta":
-                self.bias = nn.Parameter(value, requires_grad=self.bias.requires_grad)
-            else:
-                with torch.no_grad():  # the same Parameter, as nn.Linear keeps it (optimizers hold it)
-                    self.bias.copy_(value)
-        self.pack_for_device()
 
 
 _QLINEAR_FORWARD = QLinear.forward  # as defined here: see _arm
