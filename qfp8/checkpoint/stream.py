@@ -39,6 +39,9 @@ about what vLLM would refuse or could not run (see qfp8/checkpoint/config.py).
 ``--max-shard-size``, whether DST can be written, and the calibration file
 are checked before the calibration too. ``qfp8 quantize`` stops on SIGTERM
 as on Ctrl-C: no partial file is left in DST.
+
+What is quantized, and what kept in float and why, is planned in
+qfp8/checkpoint/stream_plan.py.
 """
 
 from __future__ import annotations
@@ -51,18 +54,16 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from qfp8 import formats, rounding
 from qfp8.checkpoint import compat, layerwise
 from qfp8.checkpoint import config as qconfig
-from qfp8.checkpoint.loader import build_model
-from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.readers import open_checkpoint
-from qfp8.checkpoint.remote_code import auto_config, check_flag
+from qfp8.checkpoint.remote_code import check_flag
 from qfp8.checkpoint.safetensors_io import PlannedTensor
+from qfp8.checkpoint.stream_plan import LayerPlan, ModelLinears, linear_names, plan_layers
 from qfp8.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     add_transformers4_keys,
@@ -72,23 +73,8 @@ from qfp8.checkpoint.writer import (
     parse_size,
     write_checkpoint,
 )
-from qfp8.nn.experts import find_fused_experts, scheme_reason
 from qfp8.nn.scheme import QuantizationScheme
-from qfp8.quantize import (
-    DEFAULT_EXCLUDE,
-    DEFAULT_KEEPS_TIED,
-    KV_CACHE_DTYPES,
-    exclude_patterns,
-    excluded_by,
-    float_linear_reason,
-    linear_class_reason,
-    other_kinds_clause,
-    other_weight_kinds,
-    tied_float_holders,
-    tied_head_note,
-    unmatched_exclude_notes,
-    untie_problem,
-)
+from qfp8.quantize import DEFAULT_EXCLUDE, KV_CACHE_DTYPES
 
 __all__ = [
     "CHUNK_ROWS",
@@ -154,128 +140,7 @@ def _rows_scale(scale: torch.Tensor, scheme: QuantizationScheme, r: int, step: i
     return scale[r // bn : (r + step + bn - 1) // bn]
 
 
-class ModelLinears(NamedTuple):
-    """What :func:`_linear_names` finds in the model config.json describes."""
-
-    linears: list[str]  # the checkpoint names of its nn.Linear modules
-    # its fused experts' parts, each mapped to the model name of its fused parameter and the parts of its
-    # expert, e.g. ``...experts.0.w1`` -> ``("...experts.gate_up_proj", ["...experts.0.w1", "...experts.0.w3"])``
-    expert_parts: dict[str, tuple[str, list[str]]]
-    model_name: str  # the class built, e.g. "GPT2LMHeadModel"
-    other_kinds: list[str]  # classes of other modules holding float matrix weights (GPT-2's Conv1D), kept in float
-    # (head, embedding, why not) checkpoint names of an output head tied to float modules (see _tied_head)
-    tied: tuple[str, str, str | None] | None = None
-    # each Parameter held under several names (BERT's tied cls.predictions.bias): checkpoint name -> the others
-    shared: dict[str, list[str]] | None = None
-    # checkpoint module name -> the model's, where they differ (see qconfig.build_quantization_config)
-    model_names: dict[str, str] | None = None
-    config_class: type | None = None  # transformers' config class of the checkpoint
-    # Linears quantize keeps float by their kind (SigLIP's nn.MultiheadAttention projection): name -> why
-    kind_reasons: dict[str, str] | None = None
-    # each parameter's shape in the model config.json describes, by checkpoint name
-    shapes: dict[str, tuple[int, ...]] | None = None
-
-
-class _StoredNames:
-    """Model names -> the names ``stored`` (a checkpoint's tensor names) holds them under: transformers' checkpoint
-    names (:class:`CheckpointNames`), or the model's own where the checkpoint uses those (a Llava saved with
-    ``model.language_model.*`` names, which transformers 5 also loads)."""
-
-    def __init__(self, names: CheckpointNames, stored: set[str]):
-        self.names, self.stored = names, stored
-        # What transformers loads each stored tensor as: the Hub's Llava stores vision_tower.vision_model.*,
-        # which no model name maps back to (transformers' save of a config-built model leaves the prefix out).
-        self.by_model = {names.to_model(key): key for key in stored}
-
-    def to_checkpoint(self, name: str) -> str:
-        if name in self.by_model:
-            return self.by_model[name]
-        renamed = self.names.to_checkpoint(name)
-        return name if renamed not in self.stored and name in self.stored else renamed
-
-    def module(self, name: str) -> str:
-        return self.to_checkpoint(name + ".weight").removesuffix(".weight")
-
-
-def _linear_names(config_dir: Path, stored: set[str], trust_remote_code: bool = False) -> ModelLinears:
-    """The model's ``nn.Linear`` modules and fused experts, from a meta-device build of its class (``stored``:
-    the checkpoint's tensor names)."""
-    import transformers
-
-    config = auto_config(config_dir, trust_remote_code)
-    with torch.device("meta"):
-        model = build_model(transformers, config, bare_fallback=True, trust_remote_code=trust_remote_code)
-    names = CheckpointNames(model)
-    in_checkpoint = _StoredNames(names, stored)
-    model_names, kind_reasons = {}, {}
-    linears = []
-    for name, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, torch.nn.Linear):
-            linears.append(in_checkpoint.module(name))
-            if linears[-1] != name:
-                model_names[linears[-1]] = name
-            if reason := linear_class_reason(m):
-                kind_reasons[linears[-1]] = reason
-    parts = {}
-    fused = find_fused_experts(model)
-    for item in fused:
-        for expert in names.expert_modules(item.name, item.module._parameters[item.attr].shape[0]) or ():
-            parts.update((part, (item.name, expert)) for part in expert)
-    others = other_weight_kinds(model, {id(item.module._parameters[item.attr]) for item in fused})
-    holders: dict[int, list[str]] = {}
-    shapes = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        holders.setdefault(id(param), []).append(in_checkpoint.to_checkpoint(name))
-        shapes[holders[id(param)][-1]] = tuple(param.shape)
-    shared = {name: [n for n in group if n != name] for group in holders.values() if len(group) > 1 for name in group}
-    tied = _tied_head(model, in_checkpoint)
-    return ModelLinears(
-        linears, parts, type(model).__name__, others, tied, shared, model_names, type(config), kind_reasons, shapes
-    )
-
-
-def _check_against_config(found: ModelLinears, plan, directory: Path, weight_keys: dict[str, str]) -> None:
-    """ValueError, before anything is written, for a checkpoint its config.json does not describe: a stored
-    tensor of another shape than the model's, or a Linear weight stored under none of its names. Either was
-    written with exit 0, and qfp8.from_pretrained then refused the output."""
-    described = f"the model config.json describes ({found.model_name}, {directory / 'config.json'})"
-    for key, shape in found.shapes.items():
-        stored = plan.tensors.get(key)
-        if stored is None:
-            continue
-        have = tuple(stored.file.info(stored.name).shape)
-        if have != shape:
-            raise ValueError(
-                f"{stored.file.path}: {stored.name} has shape {list(have)}, but {described} expects {list(shape)}; "
-                "the checkpoint and its config.json do not match"
-            )
-    for name in found.linears:
-        key = weight_keys.get(name, name + ".weight")
-        names = [key, name + ".weight", *(found.shared or {}).get(name + ".weight", [])]
-        if key != "" and not any(n in plan.tensors for n in names):
-            raise ValueError(
-                f"{directory}: {name}.weight is not stored in the checkpoint, but {described} has that Linear; "
-                "the checkpoint and its config.json do not match"
-            )
-
-
-def _tied_head(model: torch.nn.Module, names: _StoredNames) -> tuple[str, str, str | None] | None:
-    """(head, embedding, why not) when the model's output head shares its weight with modules kept in float
-    (its input embedding): their checkpoint names, and why ``qfp8.quantize`` would keep the head float rather
-    than tie the embedding to it as a QEmbedding (None: it would; T5's table, held by three embeddings, and
-    Gemma's scaled embedding keep it float). None when the head is tied to nothing."""
-    try:
-        head = model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    if not isinstance(head, torch.nn.Linear):
-        return None
-    others = tied_float_holders(model, [head]).get(id(head))
-    if not others:
-        return None
-    found = {id(m): name for name, m in model.named_modules()}
-    head_name, embedding_name = (names.module(n) for n in (found[id(head)], others[0]))
-    return head_name, embedding_name, untie_problem(dict(model.named_modules(remove_duplicate=False)), others, ())
+_linear_names = linear_names  # importable here too
 
 
 def _untie(config: dict) -> None:
@@ -283,33 +148,6 @@ def _untie(config: dict) -> None:
     for part in (config, config.get("text_config")):
         if isinstance(part, dict):
             part["tie_word_embeddings"] = False
-
-
-def _nothing_quantized(model: ModelLinears, reasons: dict[str, str], user_patterns: bool) -> str:
-    """Why no weight of ``model`` is quantized (``reasons``: why each of its Linears and expert parts is kept
-    in float), for the error that refuses to write such a checkpoint."""
-    if not reasons:
-        why = "it has no nn.Linear"
-    else:
-        counts: dict[str, int] = {}
-        for reason in reasons.values():
-            counts[reason] = counts.get(reason, 0) + 1
-        kept = "; ".join(f"{count} {reason}" for reason, count in counts.items())
-        why = f"every nn.Linear of it is kept in float ({kept})"
-        if user_patterns and all(reason.startswith("excluded by --exclude") for reason in reasons.values()):
-            why += "; give --exclude patterns that leave some to quantize"
-    if model.other_kinds:  # GPT-2's Conv1D, for one
-        why += "; " + other_kinds_clause(model.other_kinds)
-    return f"nothing to quantize in {model.model_name}: {why}; no checkpoint written"
-
-
-def _experts_kept_float(scheme: QuantizationScheme, accuracy: str | None, rows: int, parts: int) -> str:
-    """Why the CLI keeps a fused experts weight (stored as ``parts`` parts of ``rows`` rows) in float ("" when
-    it quantizes it): what ``quantize`` refuses, and static scales, which layer-by-layer calibration does not
-    measure for experts."""
-    if scheme.activations == "static" or accuracy is not None:
-        return "layer-by-layer calibration does not run fused MoE experts (quantize and calibrate the model in memory)"
-    return scheme_reason(scheme, accuracy, rows * parts, parts)
 
 
 def read_user_file(path: str | os.PathLike, what: str, read=Path.read_text):
@@ -368,7 +206,56 @@ def stream_quantize(
     scheme = QuantizationScheme.from_args(weights, weight_scale_granularity, activations, activation_scale, block_size)
     if kv_cache not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown kv_cache {kv_cache!r}; expected one of {list(KV_CACHE_DTYPES)}")
-    # Cheap checks of what is used only at the end come first: calibration can take hours.
+    checkpoint, plan = _open_float_checkpoint(src, dst, max_shard_size)
+    needs_calibration = scheme.activations == "static" or kv_cache is not None or accuracy is not None
+    if needs_calibration:
+        calibration_ids = _calibration_rows(checkpoint, calibration, calibration_ids, calibration_tokens, accuracy)
+    found = linear_names(checkpoint.directory, set(plan.tensors), check_flag(trust_remote_code, "stream_quantize"))
+    layers = plan_layers(found, plan, checkpoint, scheme, exclude, accuracy)
+    kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
+    # Said before the work: a qfp8-only checkpoint, or what vLLM would refuse (see qfp8/checkpoint/compat.py).
+    for message in compat.save_warnings(layers.layers, kv_dtype):
+        warnings.warn(message, UserWarning, stacklevel=2)
+
+    calibrated: dict[str, torch.Tensor] = {}
+    if needs_calibration:
+        quantize_args = dict(
+            weights=weights,
+            weight_scale=weight_scale_granularity,
+            activations=activations,
+            activation_scale=activation_scale,
+            block_size=block_size,
+            kv_cache=kv_cache,
+            accuracy=accuracy,
+        )
+        calibrated = _calibrate(
+            plan, layers.quantized, quantize_args, calibration_ids, calibration_batch_size, progress
+        )
+    # The KV cache's query moments go to their own file beside the checkpoint (qfp8.save_pretrained's).
+    kv_rounding = {name: calibrated.pop(name) for name in list(calibrated) if name.endswith(".k_rounding_hessian")}
+    out = _planned_tensors(plan, found, layers, _StreamedWeights(plan, scheme, calibrated, found, layers))
+    config = _output_config(checkpoint.config, found, layers, kv_dtype)
+    bar = _progress(sum(t.nbytes for t in out), progress)
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            extra = {**carried_files(checkpoint.directory), **kv_rounding_file(kv_rounding, scratch)}
+            shards = write_checkpoint(dst, out, config, max_shard_size, extra, on_tensor=lambda t: bar(t.nbytes))
+    finally:
+        bar(None)
+    return {
+        "quantized": len(layers.quantized),
+        "ignored": len(layers.ignored),
+        "shards": shards,
+        "bytes": sum(t.nbytes for t in out),
+        "calibrated": sum(name.endswith(("input_scale", "k_scale", "v_scale")) for name in calibrated),
+        "accuracy_weights": sum(name.endswith(".weight") for name in calibrated),
+        "calibration_tokens": calibration_ids.numel() if needs_calibration else 0,
+    }
+
+
+def _open_float_checkpoint(src, dst, max_shard_size):
+    """The float checkpoint ``src`` and its plan, after the cheap checks of what is used only at the end
+    (calibration can take hours): DST can be written, the shard size parses, DST is not SRC."""
     check_output_directory(dst, "DST")
     parse_size(max_shard_size)
     checkpoint = open_checkpoint(src)
@@ -383,278 +270,176 @@ def stream_quantize(
         raise ValueError(
             f"{checkpoint.directory}: already quantized ({plan.format}); qfp8 quantize takes a float checkpoint"
         )
-    needs_calibration = scheme.activations == "static" or kv_cache is not None or accuracy is not None
-    if needs_calibration:
-        layerwise.check_architecture(checkpoint.config, checkpoint.directory)
-        if calibration_ids is None:
-            text = None if calibration is None else read_user_file(calibration, "calibration text file")
-            tokenizer = layerwise.load_tokenizer(checkpoint.directory)
-            if calibration_tokens is None:
-                calibration_tokens = layerwise.DEFAULT_TOKENS if accuracy is None else layerwise.ACCURACY_TOKENS
-            calibration_ids = layerwise.text_token_ids(tokenizer, text, calibration_tokens)
-        calibration_ids = layerwise.calibration_rows(
-            calibration_ids,
-            checkpoint.config.get("vocab_size") or sys.maxsize,
-            checkpoint.config.get("max_position_embeddings"),
-        )
-    found = _linear_names(checkpoint.directory, set(plan.tensors), check_flag(trust_remote_code, "stream_quantize"))
-    linears, expert_parts = found.linears, found.expert_parts
-    user_patterns = exclude is not DEFAULT_EXCLUDE
-    exclude = exclude_patterns(exclude)
-    fused_names = sorted({fused for fused, _ in expert_parts.values()})
-    tied_names = [found.tied[1]] if found.tied else []  # a pattern naming a tied embedding acts on its head
-    if user_patterns:
-        for note in unmatched_exclude_notes(
-            exclude,
-            [*linears, *expert_parts, *fused_names, *tied_names],
-            checkpoint.config.get("model_type", "the model"),
-            "qfp8 quantize",
-        ):
-            warnings.warn(note, stacklevel=2)
-    # A fused experts weight is quantized whole (qfp8 holds it with one scheme): a pattern matching its model
-    # name or any of its parts' checkpoint names (experts.3.w1) keeps all of it float.
-    excluded_fused = {
-        fused for name, (fused, _) in expert_parts.items() if excluded_by(name, exclude) or excluded_by(fused, exclude)
-    }
-    quantized, ignored = {}, []
-    reasons: dict[str, str] = {}  # why each one ignored is
-    layers: dict[str, qconfig.Layer] = {}
-    by = "--exclude" if user_patterns else "the default --exclude"
-    # A head tied to its embedding: one table, stored under either name (or both, equal). Quantized, the
-    # head is written from it and the embedding as its dequantized rows (see qfp8.nn.embedding), as
-    # qfp8.quantize + save_pretrained do; kept float where quantize keeps it float.
-    weight_keys = {name: name + ".weight" for name in linears}
-    tied_head = tied_embedding = None
-    skipped: set[str] = set()  # a stored name the table is not written under
-    untied = False  # both names stored with different tables: transformers does not tie them either
-    if found.tied is not None:
-        head, embedding, why = found.tied
-        keys = [key for key in (head + ".weight", embedding + ".weight") if key in plan.tensors]
-        if len(keys) == 2 and not torch.equal(plan.load(keys[0], mmap=True), plan.load(keys[1], mmap=True)):
-            untied = True
-        else:
-            weight_keys[head] = keys[0] if keys else ""
-            if why is None and (pattern := excluded_by(embedding, exclude)):
-                why = f"excluded by {by} {pattern}"
-            elif why is None and not user_patterns:
-                why = DEFAULT_KEEPS_TIED.replace("default exclude", "default --exclude")
-            if why is not None:
-                reasons[head] = f"tied to {embedding} ({why})"
-            else:
-                tied_head, tied_embedding = head, embedding
-                skipped.update(keys[1:])  # stored twice (equal): written once, as the head's rows
-                if exclude and not excluded_by(head, exclude):  # a bare --exclude asks for everything
-                    warnings.warn(tied_head_note(head, embedding, "qfp8 quantize", "--exclude"), stacklevel=2)
-    _check_against_config(found, plan, checkpoint.directory, weight_keys)
-    for name in linears:
-        stored = plan.tensors.get(weight_keys[name])
-        shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
-        pattern = excluded_by(name, exclude)
-        gate = float_linear_reason(name) or found.kind_reasons.get(name)  # a MoE gate, MHA: float, as in quantize
-        if stored is None or pattern or gate or len(shape) != 2 or name in reasons:
-            ignored.append(name)  # excluded, or tied to another tensor and not stored
-            layers[name] = (None, shape)
-            reasons[name] = (
-                f"excluded by {by} {pattern}" if pattern
-                else gate if gate
-                else reasons[name] if name in reasons
-                else "not stored in the checkpoint (tied to another tensor)" if stored is None
-                else f"stored as a {len(shape)}-D tensor"
-            )  # fmt: skip
-            continue
-        if not stored.file.info(stored.name).dtype.is_floating_point:
-            raise ValueError(f"{stored.file.path}: {stored.name} is {stored.file.info(stored.name).dtype}, not float")
-        quantized[name] = scheme
-        layers[name] = (scheme, shape)
-    experts_reason = ""
-    for name, (fused, siblings) in expert_parts.items():
-        stored = plan.tensors.get(name + ".weight")
-        shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
-        reason = (
-            f"the checkpoint stores them fused, as {fused} (transformers 5's model names); qfp8 quantize reads "
-            "experts stored one by one (transformers' own save). Quantize the model in memory instead "
-            "(qfp8.quantize + qfp8.save_pretrained)" if stored is None and fused in plan.tensors
-            else "missing or not 2-D" if shape is None or len(shape) != 2
-            else _experts_kept_float(scheme, accuracy, shape[0], len(siblings))
-        )  # fmt: skip
-        if reason or fused in excluded_fused:
-            experts_reason = experts_reason or reason
-            ignored.append(name)
-            layers[name] = (None, shape)
-            reasons[name] = f"fused MoE experts part kept in float: {reason}" if reason else "excluded by --exclude"
-        else:
-            quantized[name] = scheme
-            layers[name] = (scheme, shape)
-    if not quantized:  # a float checkpoint labelled compressed-tensors, with no scheme: refused before any work
-        raise ValueError(f"{checkpoint.directory}: {_nothing_quantized(found, reasons, user_patterns)}")
-    if experts_reason:
-        warnings.warn(f"qfp8 quantize: fused MoE experts are kept in float: {experts_reason}", stacklevel=2)
-    kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
-    # Said before the work: a qfp8-only checkpoint, or what vLLM would refuse (see qfp8/checkpoint/compat.py).
-    for message in compat.save_warnings(layers, kv_dtype):
-        warnings.warn(message, UserWarning, stacklevel=2)
+    return checkpoint, plan
 
-    calibrated: dict[str, torch.Tensor] = {}
-    if needs_calibration:
-        quantize_args = dict(
-            weights=weights,
-            weight_scale=weight_scale_granularity,
-            activations=activations,
-            activation_scale=activation_scale,
-            block_size=block_size,
-            kv_cache=kv_cache,
-            accuracy=accuracy,
-        )
-        bar = _progress(0, progress, desc="calibrate", unit="layer")
-        try:
-            calibrated = layerwise.calibrate_layerwise(
-                plan, quantized, quantize_args, calibration_ids, calibration_batch_size, on_step=bar
-            )
-        finally:
-            bar(None, None)
-    # The KV cache's query moments go to their own file beside the checkpoint (qfp8.save_pretrained's).
-    kv_rounding = {name: calibrated.pop(name) for name in list(calibrated) if name.endswith(".k_rounding_hessian")}
-    # k_scale / v_scale go out with the first tensor of their attention module.
-    kv_scales: dict[str, list[str]] = {}
-    for name in calibrated:
-        if name.endswith((".k_scale", ".v_scale")):
-            kv_scales.setdefault(name.rpartition(".")[0], []).append(name)
 
-    out: list[PlannedTensor] = []
-    scales: dict[str, torch.Tensor] = {}
+def _calibration_rows(checkpoint, calibration, calibration_ids, calibration_tokens, accuracy) -> torch.Tensor:
+    """The calibration batch: ``calibration_ids``, else the tokens of the text file ``calibration`` (default
+    text: layerwise's), cut into rows the model takes."""
+    layerwise.check_architecture(checkpoint.config, checkpoint.directory)
+    if calibration_ids is None:
+        text = None if calibration is None else read_user_file(calibration, "calibration text file")
+        tokenizer = layerwise.load_tokenizer(checkpoint.directory)
+        if calibration_tokens is None:
+            calibration_tokens = layerwise.DEFAULT_TOKENS if accuracy is None else layerwise.ACCURACY_TOKENS
+        calibration_ids = layerwise.text_token_ids(tokenizer, text, calibration_tokens)
+    return layerwise.calibration_rows(
+        calibration_ids,
+        checkpoint.config.get("vocab_size") or sys.maxsize,
+        checkpoint.config.get("max_position_embeddings"),
+    )
 
-    def weight_key(module: str) -> str:  # where the float weight of a quantized module is stored
-        return weight_keys.get(module, module + ".weight")
 
-    def scalar(name: str) -> PlannedTensor:
-        return PlannedTensor(name, torch.float32, (1,), lambda: calibrated[name])
+def _calibrate(plan, quantized, quantize_args, calibration_ids, batch_size, progress: bool) -> dict:
+    bar = _progress(0, progress, desc="calibrate", unit="layer")
+    try:
+        return layerwise.calibrate_layerwise(plan, quantized, quantize_args, calibration_ids, batch_size, on_step=bar)
+    finally:
+        bar(None, None)
 
-    def read_scale(module: str, key: str) -> torch.Tensor:
-        scale = weight_scale(weight := plan.load(key, mmap=False), scheme)
+
+class _StreamedWeights:
+    """The FP8 weights and scales of the quantized modules, computed when the writer asks for them.
+
+    A weight is written after its scale (the writer puts float32 first),
+    except across a shard boundary: then the scale is computed again. A tied
+    head's FP8 weight serves two tensors (the head, and the embedding as its
+    dequantized rows): it is quantized once and kept until both are written,
+    not read and quantized again for each.
+    """
+
+    def __init__(self, plan, scheme: QuantizationScheme, calibrated: dict, found: ModelLinears, layers: LayerPlan):
+        self.plan, self.scheme, self.calibrated = plan, scheme, calibrated
+        self.expert_parts, self.weight_keys, self.tied_head = found.expert_parts, layers.weight_keys, layers.tied_head
+        self.scales: dict[str, torch.Tensor] = {}
+        self.tied_fp8: list = []  # [codes, scale, writes left]
+
+    def weight_key(self, module: str) -> str:  # where the float weight of a quantized module is stored
+        return self.weight_keys.get(module, module + ".weight")
+
+    def scalar(self, name: str) -> PlannedTensor:
+        return PlannedTensor(name, torch.float32, (1,), lambda: self.calibrated[name])
+
+    def read_scale(self, module: str, key: str) -> torch.Tensor:
+        scale = weight_scale(weight := self.plan.load(key, mmap=False), self.scheme)
         if not torch.isfinite(scale).all():  # NaN/Inf in the weight: refused, as quantize refuses it
             raise ValueError(
-                f"{plan.tensors[key].file.path}: {key} {list(weight.shape)} holds NaN/Inf values, which FP8 cannot "
-                f"represent; fix the weight or pass --exclude {module}"
+                f"{self.plan.tensors[key].file.path}: {key} {list(weight.shape)} holds NaN/Inf values, which FP8 "
+                f"cannot represent; fix the weight or pass --exclude {module}"
             )
         return scale
 
-    def scale_of(module: str) -> torch.Tensor:
-        if module + ".weight_scale" in calibrated:  # chosen by the accuracy mode
-            return calibrated[module + ".weight_scale"]
+    def scale_of(self, module: str) -> torch.Tensor:
+        if module + ".weight_scale" in self.calibrated:  # chosen by the accuracy mode
+            return self.calibrated[module + ".weight_scale"]
+        scales = self.scales
         if module not in scales:
-            siblings = expert_parts[module][1] if module in expert_parts else [module]
-            if scheme.weight_scale == "tensor" and len(siblings) > 1:
+            siblings = self.expert_parts[module][1] if module in self.expert_parts else [module]
+            if self.scheme.weight_scale == "tensor" and len(siblings) > 1:
                 # One scale for the expert's gate and up parts, as quantize gives their fused weight.
-                shared = torch.stack([read_scale(m, m + ".weight") for m in siblings])
+                shared = torch.stack([self.read_scale(m, m + ".weight") for m in siblings])
                 scales.update(dict.fromkeys(siblings, shared.amax(0)))
             else:
-                scales[module] = read_scale(module, weight_key(module))
+                scales[module] = self.read_scale(module, self.weight_key(module))
         return scales[module]
 
-    def take_scale(module: str) -> torch.Tensor:
-        # A weight is written after its scale (the writer puts float32 first),
-        # except across a shard boundary: then the scale is computed again.
-        scale = scale_of(module)
-        del scales[module]
+    def take_scale(self, module: str) -> torch.Tensor:
+        scale = self.scale_of(module)
+        del self.scales[module]
         return scale
 
-    def fp8_weight(module: str) -> torch.Tensor:
+    def fp8_weight(self, module: str) -> torch.Tensor:
         key = module + ".weight"
-        if key in calibrated:  # accuracy mode: the weight and its scale as calibration chose them
-            return calibrated[key]
-        return quantize_rows(plan.load(weight_key(module), mmap=False), take_scale(module), scheme)
+        if key in self.calibrated:  # accuracy mode: the weight and its scale as calibration chose them
+            return self.calibrated[key]
+        return quantize_rows(self.plan.load(self.weight_key(module), mmap=False), self.take_scale(module), self.scheme)
 
-    # A tied head's FP8 weight serves two tensors (the head, and the embedding as its dequantized rows): it is
-    # quantized once and kept until both are written, not read and quantized again for each.
-    tied_fp8: list = []  # [codes, scale, writes left]
-
-    def tied_head_fp8() -> tuple[torch.Tensor, torch.Tensor]:
+    def tied_head_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        tied_fp8 = self.tied_fp8
         if not tied_fp8:
-            scale = scale_of(tied_head)  # before fp8_weight takes it
-            tied_fp8.extend([fp8_weight(tied_head), scale, 2])
+            scale = self.scale_of(self.tied_head)  # before fp8_weight takes it
+            tied_fp8.extend([self.fp8_weight(self.tied_head), scale, 2])
         codes, scale = tied_fp8[0], tied_fp8[1]
         tied_fp8[2] -= 1
         if tied_fp8[2] == 0:
             tied_fp8.clear()
         return codes, scale
 
+    def weight(self, module: str) -> torch.Tensor:
+        return self.tied_head_fp8()[0] if module == self.tied_head else self.fp8_weight(module)
+
+
+def _planned_tensors(plan, found: ModelLinears, layers: LayerPlan, source: _StreamedWeights) -> list[PlannedTensor]:
+    """The output checkpoint's tensors in the order of the source's, each computed when written."""
+    scheme, quantized, tied_head = source.scheme, layers.quantized, layers.tied_head
+    # k_scale / v_scale go out with the first tensor of their attention module.
+    kv_scales: dict[str, list[str]] = {}
+    for name in source.calibrated:
+        if name.endswith((".k_scale", ".v_scale")):
+            kv_scales.setdefault(name.rpartition(".")[0], []).append(name)
+    out: list[PlannedTensor] = []
     for key, stored in plan.tensors.items():
         info = stored.file.info(stored.name)
         module = key[: -len(".weight")] if key.endswith(".weight") else None
-        if key in skipped and tied_head in quantized:
+        if key in layers.skipped and tied_head in quantized:
             continue
-        if tied_head in quantized and key == weight_keys[tied_head]:
-            embedding_key = tied_embedding + ".weight"
+        if tied_head in quantized and key == layers.weight_keys[tied_head]:
             # The table the embedding reads: the head's FP8 weight, dequantized in the stored dtype.
             out.append(
                 PlannedTensor(
-                    embedding_key,
+                    layers.tied_embedding + ".weight",
                     info.dtype,
                     info.shape,
-                    lambda d=info.dtype: dequantize_rows(*tied_head_fp8(), scheme, d),
+                    lambda d=info.dtype: dequantize_rows(*source.tied_head_fp8(), scheme, d),
                 )
             )
             module = tied_head
         if module in quantized:
             n, k = info.shape
             out.append(
-                PlannedTensor(
-                    module + ".weight",
-                    scheme.weight_dtype,
-                    (n, k),
-                    lambda m=module: tied_head_fp8()[0] if m == tied_head else fp8_weight(m),
-                )
+                PlannedTensor(module + ".weight", scheme.weight_dtype, (n, k), lambda m=module: source.weight(m))
             )
             shape = formats.weight_scale_shape((n, k), scheme.weight_scale, scheme.block_size)
-            out.append(PlannedTensor(module + ".weight_scale", torch.float32, shape, lambda m=module: scale_of(m)))
-            if module + ".input_scale" in calibrated:
-                out.append(scalar(module + ".input_scale"))
+            out.append(
+                PlannedTensor(module + ".weight_scale", torch.float32, shape, lambda m=module: source.scale_of(m))
+            )
+            if module + ".input_scale" in source.calibrated:
+                out.append(source.scalar(module + ".input_scale"))
         else:
             out.append(PlannedTensor(key, info.dtype, info.shape, lambda key=key: plan.load(key, mmap=False)))
         parts = key.split(".")
         for end in range(len(parts) - 1, 0, -1):
             attention = ".".join(parts[:end])
             if attention in kv_scales:
-                out += [scalar(name) for name in kv_scales.pop(attention)]
-    out += [scalar(name) for names in kv_scales.values() for name in names]
+                out += [source.scalar(name) for name in kv_scales.pop(attention)]
+    out += [source.scalar(name) for names in kv_scales.values() for name in names]
     # A quantized layer's bias stored under another name only (tied: BERT's decoder.bias is cls.predictions.bias):
     # its QLinear holds a bias of its own, so it is written under the layer's name too, as save_pretrained does.
     for module in quantized:
         key = module + ".bias"
-        source = next((n for n in (found.shared or {}).get(key, []) if n in plan.tensors), None)
-        if key not in plan.tensors and source is not None:
-            info = plan.tensors[source].file.info(plan.tensors[source].name)
-            out.append(PlannedTensor(key, info.dtype, info.shape, lambda source=source: plan.load(source, mmap=False)))
+        shared = next((n for n in (found.shared or {}).get(key, []) if n in plan.tensors), None)
+        if key not in plan.tensors and shared is not None:
+            info = plan.tensors[shared].file.info(plan.tensors[shared].name)
+            out.append(PlannedTensor(key, info.dtype, info.shape, lambda shared=shared: plan.load(shared, mmap=False)))
+    return out
 
-    config = dict(checkpoint.config)
+
+def _output_config(source_config: dict, found: ModelLinears, layers: LayerPlan, kv_dtype) -> dict:
+    """The output's config.json: the source's, with its quantization_config (and ties) as save_pretrained writes."""
+    config = dict(source_config)
     config["quantization_config"] = qconfig.build_quantization_config(
-        quantized, ignored, kv_dtype, model_names=found.model_names
+        layers.quantized, layers.ignored, kv_dtype, model_names=found.model_names
     )
-    if tied_head in quantized or untied:
+    if layers.tied_head in layers.quantized or layers.untied:
         _untie(config)
-    if tied_head in quantized:
-        config[qconfig.TIED_EMBEDDINGS_KEY] = {tied_embedding: tied_head}
+    if layers.tied_head in layers.quantized:
+        config[qconfig.TIED_EMBEDDINGS_KEY] = {layers.tied_embedding: layers.tied_head}
     # As qfp8.save_pretrained writes: the class built (a folder converted from GGUF has none) and the keys
     # transformers 4 (vLLM) reads where transformers 5 wrote others (rope_theta: see add_transformers4_keys).
     if config.get("model_type") and not config.get("architectures"):
         config["architectures"] = [found.model_name]
     add_transformers4_keys(found.config_class, config)
-    bar = _progress(sum(t.nbytes for t in out), progress)
-    try:
-        with tempfile.TemporaryDirectory() as scratch:
-            extra = {**carried_files(checkpoint.directory), **kv_rounding_file(kv_rounding, scratch)}
-            shards = write_checkpoint(dst, out, config, max_shard_size, extra, on_tensor=lambda t: bar(t.nbytes))
-    finally:
-        bar(None)
-    return {
-        "quantized": len(quantized),
-        "ignored": len(ignored),
-        "shards": shards,
-        "bytes": sum(t.nbytes for t in out),
-        "calibrated": sum(name.endswith(("input_scale", "k_scale", "v_scale")) for name in calibrated),
-        "accuracy_weights": sum(name.endswith(".weight") for name in calibrated),
-        "calibration_tokens": calibration_ids.numel() if needs_calibration else 0,
-    }
+    return config
 
 
 def _progress(total: int, enabled: bool, desc: str = "quantize", unit: str = "B"):
