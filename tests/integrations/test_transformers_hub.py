@@ -89,7 +89,7 @@ def test_dtype_torch_dtype_and_trust_remote_code(helpers, quantized):
     as_float32 = qfp8.from_pretrained(folder, torch_dtype="float32", trust_remote_code=False)
     assert as_float32.model.embed_tokens.weight.dtype == torch.float32
     assert qfp8.from_pretrained(folder, dtype=torch.bfloat16).model.embed_tokens.weight.dtype == torch.bfloat16
-    with pytest.raises(TypeError, match="trust_remote_code must be a bool"):
+    with pytest.raises(TypeError, match="trust_remote_code must be True or False"):
         qfp8.from_pretrained(folder, trust_remote_code="yes")
     with pytest.raises(TypeError, match="revision must be a str"):
         qfp8.from_pretrained(folder, revision=3)
