@@ -1,3 +1,5 @@
+import socket
+
 import pytest
 import torch
 
@@ -94,3 +96,29 @@ def dynamic_and_static(model, prompt, steps, compiled):
     with torch._dynamo.config.patch(error_on_recompile=True):
         static_tokens, static_logits = greedy(model, prompt, static_cache, steps, compiled=compiled)
     return dynamic_tokens, dynamic_logits, static_cache, static_tokens, static_logits
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A local Hub cache folder (tests/hub.py lays repos into it), with huggingface_hub pointed at it offline; fails the test if anything tried the network."""
+    huggingface_hub = pytest.importorskip("huggingface_hub", reason="Hub repo ids resolve through huggingface_hub")
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads these variables once, when it is imported (huggingface_hub.constants).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    attempts = []
+
+    def no_network(*args, **kwargs):
+        # Recorded as well as refused: resolve() turns any Hub error into FileNotFoundError.
+        attempts.append(args)
+        raise OSError("network access attempted in a test")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    yield cache
+    assert not attempts, f"network access attempted: {attempts[:3]}"

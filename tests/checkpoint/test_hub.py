@@ -8,52 +8,16 @@ connect, so nothing can reach the network.
 
 from __future__ import annotations
 
-import shutil
-import socket
-
 import pytest
 import torch
 
 import qfp8
 from qfp8.cli import main
 from qfp8.nn import QLinear
+from tests.hub import MAIN as COMMIT
+from tests.hub import add_to_cache
 
 huggingface_hub = pytest.importorskip("huggingface_hub", reason="Hub repo ids resolve through huggingface_hub")
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def add_to_cache(cache, repo_id: str, folder) -> None:
-    org, name = repo_id.split("/")
-    repo = cache / f"models--{org}--{name}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    shutil.copytree(folder, repo / "snapshots" / COMMIT)
-
-
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # huggingface_hub reads these variables once, when it is imported (huggingface_hub.constants).
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-
-    attempts = []
-
-    def no_network(*args, **kwargs):
-        # Recorded as well as refused: resolve() turns any Hub error into FileNotFoundError.
-        attempts.append(args)
-        raise OSError("network access attempted in a test")
-
-    monkeypatch.setattr(socket.socket, "connect", no_network)
-    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
-    monkeypatch.setattr(socket, "getaddrinfo", no_network)
-    yield cache
-    assert not attempts, f"network access attempted: {attempts[:3]}"
 
 
 def test_from_pretrained_repo_id_matches_folder(tiny, tmp_path, hub_cache, x):

@@ -9,50 +9,18 @@ caught at ``HfApi.create_commit`` and written into that cache.
 from __future__ import annotations
 
 import shutil
-import socket
 
 import pytest
 import torch
 
 import qfp8
 from qfp8.nn import QLinear
+from tests.hub import MAIN, add_to_cache
 
 huggingface_hub = pytest.importorskip("huggingface_hub", reason="Hub repo ids resolve through huggingface_hub")
 transformers = pytest.importorskip("transformers", reason="the integration tests load transformers models")
 
-MAIN = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"
-
-
-def add_to_cache(cache, repo_id: str, folder, commit: str = MAIN, ref: str | None = "main", subfolder: str = ""):
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    if ref is not None:
-        (repo / "refs").mkdir(parents=True, exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)
-    target = repo / "snapshots" / commit / subfolder
-    shutil.copytree(folder, target, dirs_exist_ok=True)
-
-
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    attempts = []
-
-    def no_network(*args, **kwargs):
-        attempts.append(args)
-        raise OSError("network access attempted in a test")
-
-    monkeypatch.setattr(socket.socket, "connect", no_network)
-    monkeypatch.setattr(socket.socket, "connect_ex", no_network)
-    monkeypatch.setattr(socket, "getaddrinfo", no_network)
-    yield cache
-    assert not attempts, f"network access attempted: {attempts[:3]}"
 
 
 @pytest.fixture

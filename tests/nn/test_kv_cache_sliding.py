@@ -10,22 +10,14 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWin
 import qfp8
 from qfp8 import formats
 from qfp8.nn import kv_cache as kvc
+from tests.models import TINY_LLAMA
 
 WINDOW = 8
 
 
 def tiny_mistral(sliding_window=WINDOW) -> MistralForCausalLM:
     torch.manual_seed(0)
-    config = MistralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=256,
-        sliding_window=sliding_window,
-    )
+    config = MistralConfig(**TINY_LLAMA, max_position_embeddings=256, sliding_window=sliding_window)
     config._attn_implementation = "sdpa"
     return MistralForCausalLM(config).eval()
 
