@@ -64,13 +64,14 @@ class CpuVerdict:
 # Kinds of layer scheme, as vLLM's CPU engine tells them apart (see cpu_kind).
 VLLM_CPU: dict[str, CpuVerdict] = {
     "w8a8-dynamic": CpuVerdict(
-        "W8A8 dynamic per-token activations, channel weights",
+        "W8A8 dynamic per-token activations, channel or per-tensor weights",
         dict(activations="dynamic"),
         "yes",
-        "as written",
+        "as written (qfp8 writes per-tensor weight scales as channel scales, the one value in every row: "
+        "docs/checkpoints.md)",
     ),
     "w8a8-dynamic-other": CpuVerdict(
-        "W8A8 dynamic per-tensor or 1x128 group activations, channel weights",
+        "W8A8 dynamic per-tensor or 1x128 group activations, channel or per-tensor weights",
         dict(activations="dynamic", activation_scale="tensor"),
         "yes",
         "vLLM quantizes these activations per token (CompressedTensorsW8A8Fp8 takes any dynamic input strategy as "
@@ -89,26 +90,16 @@ VLLM_CPU: dict[str, CpuVerdict] = {
         remedy="weight_scale='channel' with activations='dynamic'",
     ),
     "w8a8-static": CpuVerdict(
-        "W8A8 static per-tensor activations, channel weights",
+        "W8A8 static per-tensor activations, channel or per-tensor weights",
         dict(activations="static"),
         "no",
-        "vLLM's CPU fallback GEMM (ChannelWiseTorchFP8ScaledMMLinearKernel) slices the static input scale, a 0-dim "
-        "tensor, and the first forward pass raises",
+        "vLLM reduces the static input scale to a 0-dim tensor when it loads the layer (CompressedTensorsW8A8Fp8: "
+        "input_scale.max()), which its CPU fallback GEMM (ChannelWiseTorchFP8ScaledMMLinearKernel) slices with "
+        "narrow(), so the first forward pass raises whatever shape the checkpoint stores",
         "generate",
         "narrow() cannot be applied to a 0-dim tensor",
         vllm_fault=True,
-        remedy="activations='dynamic' (per-token, channel weights)",
-    ),
-    "tensor-weights": CpuVerdict(
-        "per-tensor weights (W8A8 dynamic or static)",
-        dict(weight_scale="tensor", activations="dynamic"),
-        "no",
-        "vLLM re-quantizes per-tensor weights to one scale per layer at load time with _C::static_scaled_fp8_quant, "
-        "a stub in its CPU build",
-        "load",
-        "static_scaled_fp8_quant() expected at most 0 argument(s)",
-        vllm_fault=True,
-        remedy="weight_scale='channel'",
+        remedy="activations='dynamic' (per-token)",
     ),
     "w8a16": CpuVerdict(
         "W8A16 (qfp8's default), any weight scale",
@@ -118,7 +109,7 @@ VLLM_CPU: dict[str, CpuVerdict] = {
         "load",
         "Failed to find a kernel that can implement the ScaledMM linear layer",
         vllm_fault=True,
-        remedy="activations='dynamic' (per-token, channel weights)",
+        remedy="activations='dynamic' (per-token)",
     ),
 }
 # An FP8 KV cache (kv_cache='float8_e4m3fn'), on top of a scheme vLLM's CPU engine serves.
@@ -139,13 +130,13 @@ def serves_here(verdict: CpuVerdict) -> bool:
 
 
 def cpu_kind(scheme: QuantizationScheme) -> str:
-    """The :data:`VLLM_CPU` key of a layer scheme."""
+    """The :data:`VLLM_CPU` key of a layer scheme. Per-tensor weights are those of channel weights: qfp8 writes their
+    scale as a channel scale (qconfig.channel_written; MoE experts, which keep it per tensor, are vLLM's fused-MoE
+    method's, which vllm_incompatibilities judges)."""
     if scheme.activations is None:
         return "w8a16"
     if scheme.weight_scale == "block":
         return "w8a8-block"
-    if scheme.weight_scale == "tensor":
-        return "tensor-weights"
     if scheme.activations == "static":
         return "w8a8-static"
     if scheme.activation_scale in ("tensor", "group"):

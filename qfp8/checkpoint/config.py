@@ -19,6 +19,11 @@ and transformers load natively:
   as dynamic ``token`` activations, which is what vLLM then computes; the
   top-level ``qfp8_token_mse_groups`` key lists their groups, so that qfp8
   itself searches again after loading.
+- per-tensor weights are written as ``channel`` weights, the one scale in
+  every row (qfp8/checkpoint/tensor_scales.py says why), except in groups
+  holding MoE experts (vLLM's fused MoE takes per-tensor weights only with
+  per-tensor activations); the top-level ``qfp8_tensor_weight_groups`` key
+  lists those groups, which qfp8 reads back per tensor.
 
 compressed-tensors' float type means e4m3fn to every reader (vLLM and
 transformers allocate e4m3fn weights and copy the stored values into them, with
@@ -59,11 +64,13 @@ __all__ = [
     "QUANT_METHOD",
     "STANDARD_WEIGHT_DTYPES",
     "STORED_FP8_FORMATS",
+    "TENSOR_WEIGHTS_KEY",
     "TIED_EMBEDDINGS_KEY",
     "TOKEN_MSE_KEY",
     "VLLM_EXPERT_PARTS",
     "VLLM_FLOAT_LINEARS",
     "build_quantization_config",
+    "channel_written",
     "group_to_scheme",
     "kv_cache_dtype",
     "kv_cache_scheme",
@@ -72,6 +79,7 @@ __all__ = [
     "qfp8_only_reasons",
     "save_warnings",
     "scheme_to_group",
+    "tensor_weight_groups",
     "token_mse_groups",
     "transformers_incompatibilities",
     "vllm_incompatibilities",
@@ -100,12 +108,13 @@ def _float_args(strategy: str, dynamic: bool, **extra) -> dict:
             "dynamic": dynamic, **extra}  # fmt: skip
 
 
-def scheme_to_group(scheme: QuantizationScheme, targets: list[str]) -> dict:
-    """One compressed-tensors ``config_group`` for ``scheme``."""
+def scheme_to_group(scheme: QuantizationScheme, targets: list[str], as_channel: bool = False) -> dict:
+    """One compressed-tensors ``config_group`` for ``scheme``; ``as_channel``: its per-tensor weights are written
+    as channel scales (:func:`channel_written`)."""
     if scheme.weight_scale == "block":
         weights = _float_args("block", False, block_structure=list(scheme.block_size))
     else:
-        weights = _float_args(scheme.weight_scale, False)
+        weights = _float_args("channel" if as_channel else scheme.weight_scale, False)
     if scheme.activations is None:
         inputs = None
     elif scheme.activations == "static":
@@ -138,6 +147,7 @@ KV_DTYPE_KEY = "qfp8_kv_cache_dtype"
 # loader reads; qfp8's ties them again.
 TIED_EMBEDDINGS_KEY = "qfp8_tied_embeddings"
 TOKEN_MSE_KEY = "qfp8_token_mse_groups"
+TENSOR_WEIGHTS_KEY = "qfp8_tensor_weight_groups"  # groups of per-tensor weights written as channel scales
 # The dynamic activation strategies of compressed-tensors that qfp8 reads.
 DYNAMIC_STRATEGIES = ("tensor", "token", "group")
 
@@ -211,10 +221,13 @@ def build_quantization_config(
     for name, scheme in schemes.items():
         by_scheme.setdefault(scheme, []).append(name)
     schemes_of = {f"group_{i}": scheme for i, scheme in enumerate(by_scheme)}
-    if len(by_scheme) == 1:
-        groups = {"group_0": scheme_to_group(schemes_of["group_0"], ["Linear"])}
-    else:
-        groups = {name: scheme_to_group(scheme, both(by_scheme[scheme])) for name, scheme in schemes_of.items()}
+    expanded = channel_written(schemes)
+    groups = {
+        name: scheme_to_group(
+            scheme, ["Linear"] if len(by_scheme) == 1 else both(by_scheme[scheme]), scheme in expanded
+        )
+        for name, scheme in schemes_of.items()
+    }
     qfp8_only = bool(qfp8_only_reasons(schemes, kv_cache_dtype))
     config = {
         QFP8_METHOD_KEY if qfp8_only else "quant_method": QFP8_METHOD if qfp8_only else QUANT_METHOD,
@@ -233,16 +246,35 @@ def build_quantization_config(
     ]
     if token_mse:
         config[TOKEN_MSE_KEY] = token_mse
+    tensor_weights = [name for name, scheme in schemes_of.items() if scheme in expanded]
+    if tensor_weights:
+        config[TENSOR_WEIGHTS_KEY] = tensor_weights
     return config
+
+
+def channel_written(schemes: dict[str, QuantizationScheme]) -> set[QuantizationScheme]:
+    """The per-tensor schemes of ``schemes`` (checkpoint name -> scheme) that are written as channel scales: all
+    but those of MoE experts, which vLLM's fused MoE takes per tensor with per-tensor activations only."""
+    experts = {scheme for name, scheme in schemes.items() if _EXPERT_NAME.search(name)}
+    return {scheme for scheme in schemes.values() if scheme.weight_scale == "tensor" and scheme not in experts}
+
+
+def _listed_groups(qc: dict, key: str, where: str) -> list[str]:
+    names = qc.get(key) or []
+    groups = qc.get("config_groups") or {}
+    if not isinstance(names, list) or any(name not in groups for name in names):
+        raise ValueError(f"{where}: {key} must list config_groups names, got {names!r}")
+    return names
 
 
 def token_mse_groups(qc: dict, where: str) -> list[str]:
     """The config groups whose dynamic per-token scales qfp8 searches (``token-mse``)."""
-    names = qc.get(TOKEN_MSE_KEY) or []
-    groups = qc.get("config_groups") or {}
-    if not isinstance(names, list) or any(name not in groups for name in names):
-        raise ValueError(f"{where}: {TOKEN_MSE_KEY} must list config_groups names, got {names!r}")
-    return names
+    return _listed_groups(qc, TOKEN_MSE_KEY, where)
+
+
+def tensor_weight_groups(qc: dict, where: str) -> list[str]:
+    """The config groups of per-tensor weights written as channel scales (:data:`TENSOR_WEIGHTS_KEY`)."""
+    return _listed_groups(qc, TENSOR_WEIGHTS_KEY, where)
 
 
 # ------------------------------------------------------------------ reading
@@ -262,12 +294,17 @@ def _check_float8(args: dict, where: str) -> None:
 
 
 def group_to_scheme(
-    group: dict, where: str, weight_dtype: torch.dtype = torch.float8_e4m3fn, token_mse: bool = False
+    group: dict,
+    where: str,
+    weight_dtype: torch.dtype = torch.float8_e4m3fn,
+    token_mse: bool = False,
+    tensor_weights: bool = False,
 ) -> QuantizationScheme:
     """The :class:`QuantizationScheme` of one compressed-tensors ``config_group``.
 
     ``token_mse``: the group is listed under ``qfp8_token_mse_groups``; its
-    dynamic per-token activations become ``token-mse``.
+    dynamic per-token activations become ``token-mse``. ``tensor_weights``: it
+    is listed under ``qfp8_tensor_weight_groups``; its channel weights are per tensor.
     """
     weights = group.get("weights")
     if not weights:
@@ -295,6 +332,13 @@ def group_to_scheme(
             ) from error
     elif strategy not in ("tensor", "channel"):
         raise ValueError(f"{where}.weights: unsupported strategy {strategy!r}; expected tensor, channel or block")
+    if tensor_weights:
+        if strategy != "channel":
+            raise ValueError(
+                f"{where}: listed in {TENSOR_WEIGHTS_KEY} (per-tensor weights written as channel scales) but its "
+                f"weights' strategy is {strategy!r}, not 'channel'"
+            )
+        strategy = "tensor"
     inputs = group.get("input_activations")
     activations, activation_scale = None, "token"
     if inputs:

@@ -9,7 +9,8 @@ format                 how it is recognised, and what the reader maps
 ``compressed-tensors`` ``quant_method: "compressed-tensors"``, ``format:
                        "float-quantized"`` (qfp8's own output, llm-compressor's):
                        ``weight``, ``weight_scale`` (``[1]``/``[N, 1]``/blocks, any
-                       float dtype -> float32), ``input_scale``, ``k_scale``/
+                       float dtype -> float32; ``[N, 1]`` of the groups listed in
+                       ``qfp8_tensor_weight_groups`` -> ``[1]``), ``input_scale``, ``k_scale``/
                        ``v_scale``; zero points of symmetric schemes are dropped
                        (asymmetric schemes, and a ``kv_cache_scheme`` that is
                        not symmetric FP8 per tensor or dynamic, are refused).
@@ -49,6 +50,7 @@ from qfp8 import formats
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE
 from qfp8.checkpoint.safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, read_json_file, refuse_pickle_message
+from qfp8.checkpoint.tensor_scales import collapse_rows
 from qfp8.checkpoint.validate import (
     check_config,
     check_kv_dtype_key,
@@ -92,13 +94,16 @@ class StoredTensor:
     file: SafetensorsFile
     name: str
     scale_shape: tuple[int, ...] | None = None  # set for scales: cast to float32, reshape to this
+    collapse: bool = False  # a per-tensor scale stored as [N, 1] equal rows: read as its one value
 
     def load(self, mmap: bool = True) -> torch.Tensor:
         value = self.file.get(self.name) if mmap else self.file.read(self.name)
         if self.scale_shape is not None:
-            check_scale_dtype(value, f"{self.file.path}: {self.name}")
-            value = value.to(torch.float32).reshape(self.scale_shape)
-            check_scale(value, f"{self.file.path}: {self.name}")
+            where = f"{self.file.path}: {self.name}"
+            check_scale_dtype(value, where)
+            value = value.to(torch.float32)
+            check_scale(value, where)
+            value = (collapse_rows(value, where) if self.collapse else value).reshape(self.scale_shape)
         return value
 
 
@@ -176,8 +181,8 @@ class Checkpoint:
             "optimum-quanto folders"
         )
 
-    def stored(self, name: str, scale_shape=None) -> StoredTensor:
-        return StoredTensor(self.where[name], name, scale_shape)
+    def stored(self, name: str, scale_shape=None, collapse: bool = False) -> StoredTensor:
+        return StoredTensor(self.where[name], name, scale_shape, collapse)
 
     def info(self, name: str):
         return self.where[name].info(name)
@@ -352,9 +357,15 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def _scale_shape(
-    checkpoint: Checkpoint, module: str, scale_name: str, scheme: QuantizationScheme, weight_name: str = ""
+    checkpoint: Checkpoint,
+    module: str,
+    scale_name: str,
+    scheme: QuantizationScheme,
+    weight_name: str = "",
+    as_channel: bool = False,
 ) -> tuple[tuple[int, ...], QuantizationScheme]:
-    """Checks a stored weight scale against the weight and scheme; returns its canonical shape."""
+    """Checks a stored weight scale against the weight and scheme; returns its canonical shape. ``as_channel``: a
+    per-tensor scale may be stored as a channel scale (qfp8_tensor_weight_groups)."""
     weight = checkpoint.info(weight_name or module + ".weight")
     scale = checkpoint.info(scale_name)
     n, k = weight.shape if len(weight.shape) == 2 else (None, None)
@@ -374,7 +385,7 @@ def _scale_shape(
         return expected, scheme
     if numel == 1 and scheme.weight_scale == "tensor":
         return (1,), scheme
-    if numel == n and scheme.weight_scale == "channel" and len(scale.shape) <= 2:
+    if numel == n and (scheme.weight_scale == "channel" or as_channel) and len(scale.shape) <= 2:
         return (n, 1), scheme
     raise ValueError(
         f"{where} has shape {list(scale.shape)}: not a {scheme.weight_scale} scale for weight [{n}, {k}] "
@@ -450,6 +461,7 @@ def _read_compressed_tensors(checkpoint: Checkpoint, plan: CheckpointPlan) -> No
     ignore = qc.get("ignore") or []
     where = str(checkpoint.directory / "config.json")
     token_mse = qconfig.token_mse_groups(qc, where)
+    tensor_weights = qconfig.tensor_weight_groups(qc, where)
     modules = [_module_of(key, ".weight_scale") for key in checkpoint.where if key.endswith(".weight_scale")]
     for module in modules:
         if any(qconfig.matches(module, "Linear", target) for target in ignore):
@@ -466,13 +478,17 @@ def _read_compressed_tensors(checkpoint: Checkpoint, plan: CheckpointPlan) -> No
                 f"{' and '.join(map(repr, qconfig.STORED_FP8_FORMATS))} FP8 weights"
             )
         dtype = _check_weight(checkpoint, module, module + ".weight")
+        as_channel = group_name in tensor_weights
         scheme = qconfig.group_to_scheme(
-            groups[group_name], f"{where}: config_groups.{group_name}", dtype, token_mse=group_name in token_mse
+            groups[group_name], f"{where}: config_groups.{group_name}", dtype, group_name in token_mse, as_channel
         )
-        shape, scheme = _scale_shape(checkpoint, module, module + ".weight_scale", scheme)
+        shape, scheme = _scale_shape(checkpoint, module, module + ".weight_scale", scheme, as_channel=as_channel)
         plan.schemes[module] = scheme
         plan.tensors[module + ".weight"] = checkpoint.stored(module + ".weight")
-        plan.tensors[module + ".weight_scale"] = checkpoint.stored(module + ".weight_scale", shape)
+        collapse = as_channel and shape != (1,)
+        plan.tensors[module + ".weight_scale"] = checkpoint.stored(
+            module + ".weight_scale", (1,) if collapse else shape, collapse
+        )
         if scheme.activations == "static":
             if module + ".input_scale" not in checkpoint.where:
                 raise ValueError(f"{where}: module {module!r} has static input activations but no input_scale")

@@ -11,6 +11,7 @@ from qfp8.checkpoint.assign import assign_state, empty_buffer_slot
 from qfp8.checkpoint.expert_state import checkpoint_to_model
 from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.readers import check_scale, check_scale_dtype
+from qfp8.checkpoint.tensor_scales import collapse_rows
 from qfp8.nn import QLinear
 from qfp8.nn.experts import QExperts
 from qfp8.nn.qlinear import state_spec
@@ -100,7 +101,8 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
 
     The state dict may use the model's names (``model.state_dict()``) or the
     checkpoint names ``save_pretrained`` writes (per-expert tensors of fused
-    MoE experts, Mixtral's ``block_sparse_moe``).
+    MoE experts, Mixtral's ``block_sparse_moe``; a per-tensor layer's scale
+    written as ``[N, 1]`` equal rows, read as its one value).
     ``strict`` as in torch's ``load_state_dict``: by default a tensor the model
     has and the state dict lacks (or one the model does not have) raises a
     ``ValueError`` naming it; with ``strict=False`` such tensors are skipped
@@ -136,9 +138,11 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
                 if expert.input_scale is None:
                     expert.input_scale = torch.ones(1, device=expert.weight_scale.device)
         if isinstance(module, QLinear) and name + ".weight_scale" in state:
-            scale = state[name + ".weight_scale"]
-            want = tuple(module.weight_scale.shape)
+            key = name + ".weight_scale"
+            scale, want = state[key], tuple(module.weight_scale.shape)
+            if want == (1,) and tuple(scale.shape) == (module.out_features, 1):  # as the checkpoint writers store it
+                scale = collapse_rows(scale, f"state dict tensor {key!r}")
             if scale.numel() == 1 and want == (1,) or scale.numel() == want[0] and want[1:] == (1,):
-                state[name + ".weight_scale"] = scale.reshape(want)
+                state[key] = scale.reshape(want)
     assign_state(model, state, None, expert_weights)
     return model

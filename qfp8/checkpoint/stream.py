@@ -64,6 +64,7 @@ from qfp8.checkpoint.readers import open_checkpoint
 from qfp8.checkpoint.remote_code import check_flag
 from qfp8.checkpoint.safetensors_io import PlannedTensor
 from qfp8.checkpoint.stream_plan import LayerPlan, ModelLinears, linear_names, plan_layers
+from qfp8.checkpoint.tensor_scales import expand_rows
 from qfp8.checkpoint.writer import (
     DEFAULT_MAX_SHARD_SIZE,
     add_transformers4_keys,
@@ -343,6 +344,11 @@ class _StreamedWeights:
                 scales[module] = self.read_scale(module, self.weight_key(module))
         return scales[module]
 
+    def stored_scale(self, module: str, rows: int | None) -> torch.Tensor:
+        """``module``'s scale as written: a per-tensor one repeated over ``rows`` when it is written per channel."""
+        scale = self.scale_of(module)
+        return scale if rows is None else expand_rows(scale, rows)
+
     def take_scale(self, module: str) -> torch.Tensor:
         scale = self.scale_of(module)
         del self.scales[module]
@@ -372,6 +378,7 @@ class _StreamedWeights:
 def _planned_tensors(plan, found: ModelLinears, layers: LayerPlan, source: _StreamedWeights) -> list[PlannedTensor]:
     """The output checkpoint's tensors in the order of the source's, each computed when written."""
     scheme, quantized, tied_head = source.scheme, layers.quantized, layers.tied_head
+    as_channel = scheme in qconfig.channel_written(quantized)  # per-tensor scales written per row (tensor_scales.py)
     # k_scale / v_scale go out with the first tensor of their attention module.
     kv_scales: dict[str, list[str]] = {}
     for name in source.calibrated:
@@ -399,9 +406,12 @@ def _planned_tensors(plan, found: ModelLinears, layers: LayerPlan, source: _Stre
             out.append(
                 PlannedTensor(module + ".weight", scheme.weight_dtype, (n, k), lambda m=module: source.weight(m))
             )
-            shape = formats.weight_scale_shape((n, k), scheme.weight_scale, scheme.block_size)
+            rows = n if as_channel else None
+            shape = (n, 1) if as_channel else formats.weight_scale_shape((n, k), scheme.weight_scale, scheme.block_size)
             out.append(
-                PlannedTensor(module + ".weight_scale", torch.float32, shape, lambda m=module: source.scale_of(m))
+                PlannedTensor(
+                    module + ".weight_scale", torch.float32, shape, lambda m=module, r=rows: source.stored_scale(m, r)
+                )
             )
             if module + ".input_scale" in source.calibrated:
                 out.append(source.scalar(module + ".input_scale"))

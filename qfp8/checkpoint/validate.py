@@ -88,6 +88,7 @@ QUANTIZATION_CONFIG = {
     "sparsity_config": _OBJECT,
     "qfp8_kv_cache_dtype": _STR,
     "qfp8_token_mse_groups": _STRINGS,
+    "qfp8_tensor_weight_groups": _STRINGS,
     # vLLM / AutoFP8 "fp8"
     "activation_scheme": _STR,
     "ignored_layers": _STRINGS,

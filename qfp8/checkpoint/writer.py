@@ -36,6 +36,7 @@ from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.atomic import FolderCommit, previous_checkpoint_files
 from qfp8.checkpoint.naming import KV_ROUNDING_FILE, CheckpointNames, split_rows
 from qfp8.checkpoint.safetensors_io import PlannedTensor, write_safetensors
+from qfp8.checkpoint.tensor_scales import expand_rows
 from qfp8.library import memory
 from qfp8.nn import QLinear
 from qfp8.nn.conv import QConvNd
@@ -170,10 +171,26 @@ def _check_experts_have_checkpoint_names(model: nn.Module, names: CheckpointName
         )
 
 
+def channel_written_schemes(model: nn.Module) -> set:
+    """The per-tensor schemes of ``model`` that the checkpoint holds as channel scales (qconfig.channel_written)."""
+    return qconfig.channel_written(
+        {name: scheme for name, (scheme, _) in model_layers(model).items() if scheme is not None}
+    )
+
+
+def _scale_plan(name: str, module: QLinear, as_channel: bool) -> PlannedTensor:
+    if not as_channel:
+        return _tensor_plan(name, module.weight_scale)
+    rows = module.out_features
+    return PlannedTensor(name, torch.float32, (rows, 1), lambda: expand_rows(module.weight_scale, rows))
+
+
 def plan_model_tensors(model: nn.Module) -> list[PlannedTensor]:
     """What ``model.state_dict()`` holds, as lazy entries (no weight unpacked yet), tied tensors once,
-    under the names transformers writes (see qfp8/checkpoint/naming.py)."""
+    under the names transformers writes (see qfp8/checkpoint/naming.py); per-tensor weight scales as channel
+    scales where the config says so (:func:`channel_written_schemes`)."""
     names = CheckpointNames(model)
+    channel_schemes = channel_written_schemes(model)
     _check_experts_have_checkpoint_names(model, names)
     fused_float = {id(item.module._parameters[item.attr]) for item in find_fused_experts(model)}
     plan: list[PlannedTensor] = []
@@ -198,7 +215,10 @@ def plan_model_tensors(model: nn.Module) -> list[PlannedTensor]:
                     module.stored_weight if isinstance(module, QConvNd) else module.canonical_weight,
                 )
             )
-            extra = {"weight_scale": module.weight_scale, "input_scale": module.input_scale, "bias": module.bias}
+            plan.append(
+                _scale_plan(names.to_checkpoint(prefix + "weight_scale"), module, module.scheme in channel_schemes)
+            )
+            extra = {"input_scale": module.input_scale, "bias": module.bias}
             plan += [
                 _tensor_plan(names.to_checkpoint(prefix + key), value)
                 for key, value in extra.items()

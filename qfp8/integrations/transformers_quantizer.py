@@ -17,8 +17,9 @@ Written against the ``HfQuantizer`` hooks of transformers 4.57 and 5.x:
 - **saving**: ``get_state_dict_and_metadata`` (called by ``save_pretrained``
   and ``push_to_hub`` before config.json is written) puts the
   compressed-tensors ``quantization_config`` of the model's layers on
-  ``model.config``; the state dict of a qfp8 model is already the
-  checkpoint body (FP8 ``weight``, ``weight_scale``, ``input_scale``).
+  ``model.config``; the state dict of a qfp8 model is the checkpoint body
+  (FP8 ``weight``, ``weight_scale``, ``input_scale``), its per-tensor weight
+  scales written as channel scales as the config says (qfp8/checkpoint/tensor_scales.py).
 """
 
 from __future__ import annotations
@@ -298,9 +299,10 @@ class Qfp8HfQuantizer(HfQuantizer):
 
     # ------------------------------------------------------------ saving
     def get_state_dict_and_metadata(self, model, *args, **kwargs):
-        """Before ``save_pretrained`` writes config.json: the compressed-tensors config of the model's layers."""
+        """Before ``save_pretrained`` writes config.json: the compressed-tensors config of the model's layers, and
+        the state dict to write when it differs from ``model.state_dict()``."""
         prepare_save(model)
-        return None, {}
+        return _channel_written_state(model), {}
 
     def _dequantize(self, model, dtype=None):
         raise NotImplementedError(
@@ -454,6 +456,23 @@ def prepare_save(model) -> None:
         setattr(model.config, qconfig.TIED_EMBEDDINGS_KEY, tied)
     elif hasattr(model.config, qconfig.TIED_EMBEDDINGS_KEY):  # set when the model around this one (its head) was
         delattr(model.config, qconfig.TIED_EMBEDDINGS_KEY)
+
+
+def _channel_written_state(model) -> dict | None:
+    """``model.state_dict()`` with the per-tensor weight scales the config says are written per channel repeated over
+    their rows, as qfp8.save_pretrained writes them; None when there are none."""
+    from qfp8.checkpoint.tensor_scales import expand_rows
+    from qfp8.checkpoint.writer import channel_written_schemes
+
+    schemes = channel_written_schemes(model)
+    if not schemes:
+        return None
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        key = f"{name}.weight_scale" if name else "weight_scale"
+        if isinstance(module, QLinear) and module.scheme in schemes and key in state:
+            state[key] = expand_rows(module.weight_scale, module.out_features)
+    return state
 
 
 def enable_transformers_save(model: nn.Module) -> None:
