@@ -103,7 +103,9 @@ class StoredTensor:
             check_scale_dtype(value, where)
             value = value.to(torch.float32)
             check_scale(value, where)
-            value = (collapse_rows(value, where) if self.collapse else value).reshape(self.scale_shape)
+            if self.collapse:
+                value = collapse_rows(value, where, f"its config group is listed in {qconfig.TENSOR_WEIGHTS_KEY}")
+            value = value.reshape(self.scale_shape)
         return value
 
 

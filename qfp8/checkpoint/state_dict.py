@@ -141,7 +141,7 @@ def load_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], stric
             key = name + ".weight_scale"
             scale, want = state[key], tuple(module.weight_scale.shape)
             if want == (1,) and tuple(scale.shape) == (module.out_features, 1):  # as the checkpoint writers store it
-                scale = collapse_rows(scale, f"state dict tensor {key!r}")
+                scale = collapse_rows(scale, f"state dict tensor {key!r}", f"module {name!r} has per-tensor weights")
             if scale.numel() == 1 and want == (1,) or scale.numel() == want[0] and want[1:] == (1,):
                 state[key] = scale.reshape(want)
     assign_state(model, state, None, expert_weights)

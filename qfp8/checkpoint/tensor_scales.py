@@ -20,18 +20,16 @@ def expand_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
     return scale.reshape(1, 1).expand(rows, 1).contiguous()
 
 
-def collapse_rows(scale: torch.Tensor, where: str) -> torch.Tensor:
+def collapse_rows(scale: torch.Tensor, where: str, why: str) -> torch.Tensor:
     """The one value of a channel-written per-tensor ``scale`` (``[N, 1]``, float32), as ``[1]``.
 
-    ValueError naming ``where`` (the file and tensor) when its rows differ: the config says the layer was quantized
-    with one scale, and these are not one.
+    ValueError naming ``where`` (the file and tensor) when its rows differ, saying ``why`` the layer is per tensor.
     """
     flat = scale.reshape(-1)
     if flat.numel() and not bool((flat == flat[0]).all()):
         differ = int((flat != flat[0]).sum())
         raise ValueError(
-            f"{where} has {differ} of {flat.numel()} rows differing from its first ({flat[0].item():.6g}); its config "
-            "group is listed as per-tensor weights written per channel (qfp8_tensor_weight_groups), which needs one "
-            "value in every row. Remove the group from that list to read these scales per channel"
+            f"{where} has {differ} of {flat.numel()} rows differing from its first ({flat[0].item():.6g}), but {why}: "
+            "a per-tensor scale written per channel holds its one value in every row"
         )
     return flat[:1]

@@ -112,8 +112,9 @@ def test_a_pre_quantized_checkpoint_keeps_its_bytes_and_matches_qfp8_from_pretra
     q_proj = through_transformers.model.layers[1].self_attn.q_proj
     key = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(q_proj.canonical_weight().view(torch.uint8), stored[key].view(torch.uint8))
-    scale = stored.get(key + "_scale", stored.get(key + "_scale_inv"))
-    assert torch.equal(q_proj.weight_scale.reshape(-1), scale.float().reshape(-1))
+    scale = stored.get(key + "_scale", stored.get(key + "_scale_inv")).float().reshape(-1)
+    # qfp8 stores a per-tensor scale in every row of a channel scale: the loaded one value is each row's
+    assert torch.equal(q_proj.weight_scale.reshape(-1).expand_as(scale), scale)
     assert torch.equal(helpers.logits(through_transformers), helpers.logits(through_qfp8))
 
 
