@@ -195,3 +195,29 @@ def test_transformers_loads_it_through_qfp8config_and_its_own_loader(tiny, tmp_p
     )
     with torch.no_grad():  # the same dequantized weights, the same float matmuls
         torch.testing.assert_close(plain(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_holding_moe_experts_keeps_per_tensor_scales(tmp_path):
+    """vLLM's fused MoE takes per-tensor expert weights with per-tensor activations, not channel ones: a group with
+    experts is written per tensor; the same model with its experts float gets the dense layers per row."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    for exclude, per_row in ((("lm_head",), False), (("lm_head", "*experts*"), True)):
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(config).eval()
+        qfp8.quantize(model, weight_scale="tensor", activations="dynamic", activation_scale="tensor", exclude=exclude)
+        path = tmp_path / str(per_row)
+        qfp8.save_pretrained(model, path)
+        stored = safetensors.torch.load_file(path / "model.safetensors")
+        qc = read_config(path)["quantization_config"]
+        assert (KEY in qc) == per_row
+        assert stored["model.layers.0.self_attn.q_proj.weight_scale"].shape == ((64, 1) if per_row else (1,))
+        if not per_row:
+            assert stored["model.layers.0.block_sparse_moe.experts.1.w2.weight_scale"].shape == (1,)
+        q_proj = qfp8.from_pretrained(path).model.layers[0].self_attn.q_proj
+        assert q_proj.scheme.weight_scale == "tensor" and torch.equal(
+            q_proj.weight_scale, model.model.layers[0].self_attn.q_proj.weight_scale
+        )
