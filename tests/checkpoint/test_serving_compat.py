@@ -46,8 +46,14 @@ def saved(tiny, path, **kwargs) -> list[str]:
         (dict(weight_scale="tensor"), "no"),
     ],
     ids=[
-        "w8a16", "w8a8-token", "w8a8-tensor-act", "w8a8-block-group", "w8a8-static", "w8a8-tensor-weights",
-        "w8a8-static-tensor-weights", "w8a16-tensor",
+        "w8a16",
+        "w8a8-token",
+        "w8a8-tensor-act",
+        "w8a8-block-group",
+        "w8a8-static",
+        "w8a8-tensor-weights",
+        "w8a8-static-tensor-weights",
+        "w8a16-tensor",
     ],  # fmt: skip
 )
 def test_serves_on_and_the_save_warning_follow_the_table(tiny, tmp_path, kwargs, cpu):

@@ -57,9 +57,6 @@ SCHEMES = {
     "w8a8-static-tensor-weights": dict(weight_scale="tensor", activations="static"),
     "kv-cache-fp8": compat.VLLM_CPU_KV_CACHE.example,
 }
-# Per-tensor weights (W8A8 dynamic per-token) written as channel scales (each row the layer's one scale: the same
-# values): vLLM's CPU engine then skips the re-quantization that fails for per-tensor scales (docs/vllm.md).
-EXPANDED = "w8a8-tensor-weights-as-channel"
 # e5m2 weights: compressed-tensors cannot say them, so qfp8 writes the checkpoint without quant_method, for qfp8
 # only; vLLM then builds a float model and its loader finds no parameter for the scales.
 QFP8_ONLY = "e5m2-qfp8-only"
@@ -95,22 +92,6 @@ def build_checkpoint(path: Path, kwargs: dict) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 
-def expand_tensor_scales(source: Path, path: Path) -> None:
-    """A copy of a per-tensor checkpoint whose scales are written per channel (the same values)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(source, path)
-    tensors = load_file(path / "model.safetensors")
-    for name in [n for n in tensors if n.endswith(".weight_scale")]:
-        rows = tensors[name.removesuffix("_scale")].shape[0]
-        tensors[name] = tensors[name].reshape(1, 1).expand(rows, 1).contiguous()
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    for group in config["quantization_config"]["config_groups"].values():
-        group["weights"]["strategy"] = "channel"
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-
-
 def checkpoint_kv_scales(path: Path) -> list[list[float]]:
     """[k_scale, v_scale] per layer of a checkpoint, as vLLM reports them."""
     from safetensors import safe_open
@@ -127,8 +108,6 @@ def checkpoint_kv_scales(path: Path) -> list[list[float]]:
 def reference_checkpoint(test_id: str, result: dict) -> str:
     """The checkpoint whose qfp8 run vLLM's ``result`` is compared with: the scheme vLLM computes (compat's
     runs_as), or the checkpoint's own where vLLM picked a kernel that computes it (W8A8 block on AMX-FP8)."""
-    if test_id == EXPANDED:
-        return "w8a8-tensor-weights"  # the same values, per tensor
     if test_id == "kv-cache-fp8":
         return NEAREST_KEYS
     runs_as = verdict(test_id).runs_as
@@ -155,10 +134,9 @@ def served(vllm_python_or_skip, tmp_path_factory):
     prompt = prompt.tolist()
     warned = {test_id: build_checkpoint(root / test_id, kwargs) for test_id, kwargs in SCHEMES.items()}
     build_checkpoint(root / QFP8_ONLY, QFP8_ONLY_ARGUMENTS)
-    expand_tensor_scales(root / "w8a8-tensor-weights", root / EXPANDED)
     # vLLM rounds keys to nearest: qfp8's compensated key rounding (a file beside the weights) is qfp8's own
     shutil.copytree(root / "kv-cache-fp8", root / NEAREST_KEYS, ignore=shutil.ignore_patterns(KV_ROUNDING_FILE))
-    names = [*SCHEMES, EXPANDED]
+    names = list(SCHEMES)
     served_names = [*names, QFP8_ONLY]
     job = {"prompt": prompt, "logprobs": 2, "checkpoints": [{"name": n, "path": str(root / n)} for n in served_names]}
     (root / "job.json").write_text(json.dumps(job))
@@ -233,10 +211,10 @@ def test_vllm_is_the_version_the_table_describes(served):
     )
 
 
-@pytest.mark.parametrize("test_id", [*SCHEMES, EXPANDED])
+@pytest.mark.parametrize("test_id", list(SCHEMES))
 def test_vllm_cpu_does_what_the_table_says(served, test_id):
     reference, result = served[test_id]
-    expected = compat.VLLM_CPU["w8a8-dynamic"] if test_id == EXPANDED else verdict(test_id)
+    expected = verdict(test_id)
     if compat.serves_here(expected):
         assert_agrees(reference, result, KV_RULE if test_id == "kv-cache-fp8" else RULE)
     else:
