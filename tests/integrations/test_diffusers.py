@@ -81,6 +81,20 @@ def test_round_trip_is_bit_identical(kind, tmp_path):
 
 
 @torch.no_grad()
+def test_per_tensor_convolutions_are_stored_per_row_and_read_back(tmp_path):
+    """Per-tensor scales of linears and convolutions alike are written as [N, 1] rows (docs/checkpoints.md)."""
+    model, inputs = _unet()
+    qfp8.quantize(model, weight_scale="tensor")
+    out = model(**inputs).sample
+    qfp8.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["qfp8_tensor_weight_groups"]
+    loaded = qfp8.from_pretrained(tmp_path)
+    convs = [m for m in loaded.modules() if isinstance(m, QConv2d)]
+    assert convs and all(m.scheme.weight_scale == "tensor" and m.weight_scale.shape == (1,) for m in convs)
+    assert torch.equal(loaded(**inputs).sample, out)
+
+
+@torch.no_grad()
 def test_unet_convolutions_are_quantized_and_reloaded_from_a_pipeline_subfolder(tmp_path):
     model, inputs = _unet(torch.bfloat16)
     _, report = qfp8.quantize(model)
