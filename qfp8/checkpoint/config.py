@@ -402,11 +402,12 @@ def _name_pattern(name: str) -> str:
     return re.sub(r"(^|\.)\d+(?=\.)", r"\1*", name)
 
 
-def _vllm_args(scheme: QuantizationScheme | None) -> dict | None:
-    """What vLLM sees of a layer's scheme: its config_group args (e4m3fnuz and e4m3fn weights look the same)."""
+def _vllm_args(scheme: QuantizationScheme | None, as_channel: bool = False) -> dict | None:
+    """What vLLM sees of a layer's scheme: its config_group args (e4m3fnuz and e4m3fn weights look the same;
+    ``as_channel``: per-tensor weights written as channel scales, :func:`channel_written`)."""
     if scheme is None:
         return None
-    group = scheme_to_group(scheme, [])
+    group = scheme_to_group(scheme, [], as_channel)
     del group["targets"]
     return group
 
@@ -573,6 +574,7 @@ def vllm_incompatibilities(layers: dict[str, Layer]) -> list[str]:
         found.setdefault(message, []).append(_name_pattern(name))
 
     one_scheme = len({scheme for scheme, _ in layers.values() if scheme is not None}) == 1
+    expanded = channel_written({name: scheme for name, (scheme, _) in layers.items() if scheme is not None})
     fused: dict[tuple[str, str], dict[str, Layer]] = {}
     for name in sorted(layers):  # the same order for a model and for a checkpoint's sorted tensors
         scheme, shape = layers[name]
@@ -616,7 +618,7 @@ def vllm_incompatibilities(layers: dict[str, Layer]) -> list[str]:
             )
     for (parent, fused_name), shards in fused.items():
         order = [leaf for leaf in FUSED_LAYERS[fused_name] if leaf in shards]
-        views = [_vllm_args(shards[leaf][0]) for leaf in order]
+        views = [_vllm_args(shards[leaf][0], shards[leaf][0] in expanded) for leaf in order]
         where = (parent + "." if parent else "") + fused_name
         if any(view != views[0] for view in views):
             states = ", ".join(

@@ -12,6 +12,7 @@ import safetensors.torch
 import torch
 
 import qfp8
+from qfp8.checkpoint.inspect import describe
 from qfp8.checkpoint.stream import stream_quantize
 from qfp8.nn import QLinear
 
@@ -60,6 +61,8 @@ def test_per_tensor_scales_are_written_per_row_and_read_back_as_one(tiny, tmp_pa
         scale = stored[name + ".weight_scale"]
         assert scale.shape == (module.out_features, 1) and scale.dtype == torch.float32, name
         assert torch.equal(scale, module.weight_scale.expand(module.out_features, 1)), name
+    saved_scheme = next(iter(modules.values())).scheme.describe()  # qfp8 inspect names the scheme saved
+    assert "-tensor " in saved_scheme and {g["scheme"] for g in describe(tmp_path)["groups"]} == {saved_scheme}
     loaded = qfp8.from_pretrained(tmp_path)
     for name, module in qlinears(loaded).items():
         assert module.scheme == modules[name].scheme and module.scheme.weight_scale == "tensor", name

@@ -193,12 +193,24 @@ def test_partly_excluded_fused_layer_warns(tiny, tmp_path):
 
 def test_fused_shards_with_different_schemes_warn(tiny, tmp_path):
     model = calibrated(tiny, tiny.model(**ALIGNED), weight_scale="channel", exclude=("lm_head", "*.up_proj"))
-    other = calibrated(tiny, tiny.model(**ALIGNED), weight_scale="tensor")
+    other = calibrated(tiny, tiny.model(**ALIGNED), weight_scale="channel", activations="dynamic")
     for i, layer in enumerate(model.model.layers):
         layer.mlp.up_proj = other.model.layers[i].mlp.up_proj
     (message,) = save(model, tmp_path)
     assert "model.layers.*.mlp.gate_up_proj (2 modules): gate_proj/up_proj" in message
-    assert "gate_proj w-e4m3fn-channel a-float, up_proj w-e4m3fn-tensor a-float" in message
+    assert "gate_proj w-e4m3fn-channel a-float, up_proj w-e4m3fn-channel a-dynamic-token" in message
+
+
+def test_fused_shards_with_channel_and_per_tensor_weights_are_one_scheme_to_vllm(tiny, tmp_path):
+    """Per-tensor weights are written as channel weights (docs/checkpoints.md): vLLM reads the two shards alike."""
+    model = calibrated(tiny, tiny.model(**ALIGNED), weight_scale="channel", exclude=("lm_head", "*.up_proj"))
+    other = calibrated(tiny, tiny.model(**ALIGNED), weight_scale="tensor")
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.up_proj = other.model.layers[i].mlp.up_proj
+    messages = save(model, tmp_path)
+    assert not any("vLLM cannot" in message for message in messages), messages
+    groups = quantization_config(tmp_path)["config_groups"]
+    assert len(groups) == 2 and {g["weights"]["strategy"] for g in groups.values()} == {"channel"}
 
 
 def test_block_shapes_vllm_cannot_run_warn(tiny, tmp_path):
