@@ -156,7 +156,7 @@ def quantize(
     # leaves the model as it was.
     _check_weights(plan)
     for note in plan.notes:
-        warnings.warn(note, stacklevel=2)
+        warnings.warn(note.text, stacklevel=2)
     _replace_linears(model, plan, scheme, accuracy)
     _replace_experts(plan, scheme, accuracy)
     report = plan.report
