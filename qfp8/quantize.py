@@ -19,7 +19,7 @@ from qfp8.calibration import calibrate, check_calibrated, freeze
 from qfp8.library import memory
 from qfp8.library.routing import REFERENCE_KERNEL
 from qfp8.nn import QLinear, QuantizationScheme
-from qfp8.nn.conv import is_convolution, quantize_convolution
+from qfp8.nn.conv import is_convolution, is_transformers_conv1d, linear_from_conv1d, quantize_convolution
 from qfp8.nn.experts import QExperts, use_fp8_experts
 from qfp8.quantize_plan import (
     DEFAULT_EXCLUDE,
@@ -235,6 +235,8 @@ def _replace_linears(model: nn.Module, plan: QuantizePlan, scheme: QuantizationS
         linear = modules.pop(entry.name)
         if is_convolution(linear):
             qlinear = quantize_convolution(linear, scheme, entry.name, accuracy)
+        elif is_transformers_conv1d(linear):  # GPT-2's layers: a QLinear holding the weight transposed
+            qlinear = linear_from_conv1d(linear, scheme, entry.name, accuracy)
         else:
             qlinear = QLinear.from_linear(linear, scheme, entry.name, accuracy=accuracy)
         _carry_hooks(linear, qlinear, entry.name, stacklevel=4)

@@ -20,7 +20,15 @@ from torch.nn.utils.weight_norm import WeightNorm  # the hook class (torch.nn.ut
 
 from qfp8 import formats
 from qfp8.nn import QLinear, QuantizationScheme
-from qfp8.nn.conv import convolution_reason, is_convolution, quantizes_convolutions
+from qfp8.nn.conv import (
+    conv1d_class_reason,
+    convolution_reason,
+    is_convolution,
+    is_linear_layer,
+    is_transformers_conv1d,
+    linear_features,
+    quantizes_convolutions,
+)
 from qfp8.nn.embedding import QEmbedding, untieable_reason
 from qfp8.nn.experts import checkpoint_parts, find_fused_experts, scheme_reason
 from qfp8.quantize_report import (
@@ -122,7 +130,10 @@ META_REASON = (
 
 def linear_class_reason(module: nn.Linear) -> str | None:
     """Why ``quantize`` keeps a Linear of this kind float whatever its weight (the CLI asks it of a meta-device
-    build): a subclass with its own forward, or nn.MultiheadAttention's projection."""
+    build): a subclass with its own forward, or nn.MultiheadAttention's projection. Also takes transformers'
+    ``Conv1D``, which ``quantize`` replaces by a QLinear too."""
+    if is_transformers_conv1d(module):
+        return conv1d_class_reason(module)
     cls = type(module)
     plain = f"{cls.__module__}.{cls.__qualname__}" in PLAIN_LINEAR_SUBCLASSES
     if cls.forward is not nn.Linear.forward and not plain:
@@ -414,7 +425,7 @@ def _plan_linears(model: nn.Module, rules: _Rules, plan: QuantizePlan) -> list[s
     planned: dict[int, ReportEntry] = {}
     linear_names = []
     for name, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, nn.Linear):
+        if not is_linear_layer(module):  # an nn.Linear, or transformers' Conv1D (GPT-2's)
             continue
         linear_names.append(name)
         if id(module) in planned:  # a shared submodule: one QLinear for all its names
@@ -424,7 +435,7 @@ def _plan_linears(model: nn.Module, rules: _Rules, plan: QuantizePlan) -> list[s
                 entry.reason, entry.quantized = f"{excluded} (as {name!r})", False
                 plan.excluded[entry.name] = plan.excluded[name]
             continue
-        entry = ReportEntry(name, module.in_features, module.out_features, quantized=False)
+        entry = ReportEntry(name, *linear_features(module), quantized=False)
         entry.reason = _exclusion(rules, plan, name) or _linear_reason(name, module, rules, plan.in_peft_model)
         entry.quantized = not entry.reason
         planned[id(module)] = entry
@@ -562,7 +573,7 @@ def _coverage_notes(model: nn.Module, report: QuantizeReport, user_patterns: boo
             if report.entries
             else "it has no nn.Linear"
         )
-        if report.others:  # GPT-2's Conv1D, for one
+        if report.others:  # a convolution of a transformers model, for one
             why += "; " + other_kinds_clause(sorted({other.kind for other in report.others}))
         notes.append(f"quantize: nothing was quantized in {type(model).__name__}: {why}")
     elif report.other_fraction >= OTHER_WEIGHTS_WARNING:  # fused MoE experts, for one

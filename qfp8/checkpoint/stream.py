@@ -199,8 +199,11 @@ def stream_quantize(
     calibration; they are held in memory until written. Otherwise the
     calibration arguments are not used.
 
-    A model with nothing to quantize (GPT-2, whose weights are ``Conv1D``; every
-    Linear excluded) is a ValueError saying why, before anything is written.
+    A model with nothing to quantize (every Linear excluded, say) is a ValueError
+    saying why, before anything is written. transformers' ``Conv1D`` layers
+    (GPT-2's, weight stored ``[in, out]``) are quantized as linear layers: their
+    weight is read transposed and written ``[out, in]``, as ``qfp8.quantize`` +
+    ``qfp8.save_pretrained`` write it.
     """
     rounding.check_mode(accuracy)
     scheme = QuantizationScheme.from_args(weights, weight_scale_granularity, activations, activation_scale, block_size)
@@ -311,6 +314,7 @@ class _StreamedWeights:
     def __init__(self, plan, scheme: QuantizationScheme, calibrated: dict, found: ModelLinears, layers: LayerPlan):
         self.plan, self.scheme, self.calibrated = plan, scheme, calibrated
         self.expert_parts, self.weight_keys, self.tied_head = found.expert_parts, layers.weight_keys, layers.tied_head
+        self.transposed = layers.transposed
         self.scales: dict[str, torch.Tensor] = {}
         self.tied_fp8: list = []  # [codes, scale, writes left]
 
@@ -320,8 +324,13 @@ class _StreamedWeights:
     def scalar(self, name: str) -> PlannedTensor:
         return PlannedTensor(name, torch.float32, (1,), lambda: self.calibrated[name])
 
+    def load_weight(self, module: str, key: str) -> torch.Tensor:
+        """The float weight of ``module`` as ``[out, in]`` (a Conv1D's is stored ``[in, out]``)."""
+        weight = self.plan.load(key, mmap=False)
+        return weight.t().contiguous() if module in self.transposed else weight
+
     def read_scale(self, module: str, key: str) -> torch.Tensor:
-        scale = weight_scale(weight := self.plan.load(key, mmap=False), self.scheme)
+        scale = weight_scale(weight := self.load_weight(module, key), self.scheme)
         if not torch.isfinite(scale).all():  # NaN/Inf in the weight: refused, as quantize refuses it
             raise ValueError(
                 f"{self.plan.tensors[key].file.path}: {key} {list(weight.shape)} holds NaN/Inf values, which FP8 "
@@ -352,7 +361,7 @@ class _StreamedWeights:
         key = module + ".weight"
         if key in self.calibrated:  # accuracy mode: the weight and its scale as calibration chose them
             return self.calibrated[key]
-        return quantize_rows(self.plan.load(self.weight_key(module), mmap=False), self.take_scale(module), self.scheme)
+        return quantize_rows(self.load_weight(module, self.weight_key(module)), self.take_scale(module), self.scheme)
 
     def tied_head_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
         tied_fp8 = self.tied_fp8
@@ -395,7 +404,7 @@ def _planned_tensors(plan, found: ModelLinears, layers: LayerPlan, source: _Stre
             )
             module = tied_head
         if module in quantized:
-            n, k = info.shape
+            n, k = reversed(info.shape) if module in layers.transposed else info.shape
             out.append(
                 PlannedTensor(module + ".weight", scheme.weight_dtype, (n, k), lambda m=module: source.weight(m))
             )

@@ -19,6 +19,7 @@ from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.remote_code import auto_config
 from qfp8.checkpoint.skeleton import build_model
+from qfp8.nn.conv import is_linear_layer, is_transformers_conv1d
 from qfp8.nn.experts import find_fused_experts
 from qfp8.nn.scheme import QuantizationScheme
 from qfp8.quantize_plan import (
@@ -57,6 +58,8 @@ class ModelLinears:
     config_class: type | None = None  # transformers' config class of the checkpoint
     # each parameter's shape in the model config.json describes, by checkpoint name
     shapes: dict[str, tuple[int, ...]] | None = None
+    # the linear layers whose weight the checkpoint stores [in, out] (transformers' Conv1D: GPT-2's), by checkpoint name
+    transposed: set[str] = dataclasses.field(default_factory=set)
 
     def __post_init__(self):
         self.parts_of: dict[str, list[str]] = {}
@@ -101,12 +104,14 @@ def linear_names(config_dir: Path, stored: set[str], trust_remote_code: bool = F
     names = CheckpointNames(model)
     in_checkpoint = _StoredNames(names, stored)
     model_names = {}
-    linears = []
+    linears, transposed = [], set()
     for name, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, torch.nn.Linear):
+        if is_linear_layer(m):
             linears.append(in_checkpoint.module(name))
             if linears[-1] != name:
                 model_names[linears[-1]] = name
+            if is_transformers_conv1d(m):
+                transposed.add(linears[-1])
     parts = {}
     for item in find_fused_experts(model, check_weights=False):
         for expert in names.expert_modules(item.name, item.module._parameters[item.attr].shape[0]) or ():
@@ -119,7 +124,7 @@ def linear_names(config_dir: Path, stored: set[str], trust_remote_code: bool = F
     shared = {name: [n for n in group if n != name] for group in holders.values() if len(group) > 1 for name in group}
     return ModelLinears(
         model, in_checkpoint, linears, parts, type(model).__name__, _tied_head(model), shared, model_names,
-        type(config), shapes,
+        type(config), shapes, transposed,
     )  # fmt: skip
 
 
@@ -203,6 +208,7 @@ class LayerPlan:
     tied_embedding: str | None = None
     skipped: set[str] = dataclasses.field(default_factory=set)  # a stored name the table is not written under
     untied: bool = False  # both names stored with different tables: transformers does not tie them either
+    transposed: set[str] = dataclasses.field(default_factory=set)  # quantized layers stored [in, out] (Conv1D)
 
 
 def plan_layers(found: ModelLinears, plan, checkpoint, scheme: QuantizationScheme, exclude, accuracy) -> LayerPlan:
@@ -280,6 +286,9 @@ def _plan_linears(layers: LayerPlan, found: ModelLinears, decided: QuantizePlan,
             continue
         if not stored.file.info(stored.name).dtype.is_floating_point:
             raise ValueError(f"{stored.file.path}: {stored.name} is {stored.file.info(stored.name).dtype}, not float")
+        if name in found.transposed:  # written as a QLinear's weight: [out, in]
+            layers.transposed.add(name)
+            shape = shape[::-1]
         layers.quantized[name] = scheme
         layers.layers[name] = (scheme, shape)
 
