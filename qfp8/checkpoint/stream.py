@@ -217,7 +217,10 @@ def stream_quantize(
     layers = plan_layers(found, plan, checkpoint, scheme, exclude, accuracy)
     kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
     # Said before the work: a qfp8-only checkpoint, or what vLLM would refuse (see qfp8/checkpoint/compat.py).
-    for message in compat.save_warnings(layers.layers, kv_dtype):
+    converted = {
+        name: type(found.model.get_submodule(found.model_names.get(name, name))).__name__ for name in layers.transposed
+    }
+    for message in compat.save_warnings(layers.layers, kv_dtype, converted):
         warnings.warn(message, UserWarning, stacklevel=2)
 
     calibrated: dict[str, torch.Tensor] = {}

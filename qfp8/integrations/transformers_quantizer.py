@@ -36,6 +36,7 @@ from qfp8.checkpoint.readers import open_checkpoint
 from qfp8.integrations.transformers import Qfp8Config
 from qfp8.library import memory
 from qfp8.nn import QLinear
+from qfp8.nn.conv import is_linear_layer, is_transformers_conv1d, linear_features
 from qfp8.nn.experts import find_fused_experts
 from qfp8.quantize import (
     QuantizeReport,
@@ -134,7 +135,7 @@ class Qfp8HfQuantizer(HfQuantizer):
         tied = _tied_output_linear(model)
         seen: dict[int, str] = {}
         for name, module in model.named_modules(remove_duplicate=False):
-            if not isinstance(module, nn.Linear) or config.weights is None:
+            if not is_linear_layer(module) or config.weights is None:  # nn.Linear, or GPT-2's Conv1D
                 continue
             if id(module) in seen:
                 if seen[id(module)] in self.targets:
@@ -143,9 +144,7 @@ class Qfp8HfQuantizer(HfQuantizer):
             seen[id(module)] = name
             reason = _skip_reason(name, module, patterns, tied, model)
             self.report.entries.append(
-                ReportEntry(
-                    name, module.in_features, module.out_features, quantized=reason is None, reason=reason or ""
-                )
+                ReportEntry(name, *linear_features(module), quantized=reason is None, reason=reason or "")
             )
             if reason is None:
                 self.targets[name] = [name]
@@ -237,10 +236,14 @@ class Qfp8HfQuantizer(HfQuantizer):
         linear = model.get_submodule(name)
         dtype = linear.weight.dtype if _is_float_dtype(linear.weight.dtype) else value.dtype
         weight = value.detach().to(dtype)
+        if is_transformers_conv1d(linear):  # GPT-2's layers store [in, out]: a QLinear holds [out, in]
+            weight = weight.t()
         bias = linear.bias if linear.bias is not None else None
         qlinear = QLinear.from_weight(
             weight, bias, self.quantization_config.scheme(), name, self.quantization_config.accuracy, label=name
         )
+        if is_transformers_conv1d(linear):
+            qlinear.converted_from = type(linear).__name__
         if LATE_PLACEMENT:
             self.quantized[name] = qlinear
         else:
