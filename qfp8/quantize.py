@@ -1,7 +1,8 @@
 """``quantize`` / ``calibrate`` / ``freeze`` and the report of what was done.
 
-``quantize`` runs in stages: its arguments checked, the plan (:mod:`qfp8.quantize_plan`: what is quantized,
-what stays float and why), every weight checked, then the modules replaced. The report types live in
+``quantize`` runs in stages: its arguments checked, the plan (:mod:`qfp8.quantize_plan`, the one planner, which
+``qfp8 quantize`` runs too: what is quantized, what stays float and why), every weight checked, then the modules
+replaced. The report types live in
 :mod:`qfp8.quantize_report`, calibration and ``freeze`` in :mod:`qfp8.calibration`; every name is importable
 from here too.
 """
@@ -98,7 +99,8 @@ def quantize(
     block_size=formats.DEFAULT_BLOCK_SIZE,
     accuracy: str | None = None,
 ) -> QuantizeResult:
-    """Replaces every matching ``nn.Linear`` of ``model`` by a ``QLinear`` (in place).
+    """Replaces every matching ``nn.Linear`` of ``model`` by a ``QLinear`` (in place); transformers' ``Conv1D``
+    (GPT-2's layers, weight ``[in, out]``) too, by a QLinear of its transposed weight.
 
     Weights are quantized now and packed for their device's kernel; static
     activation scales still need :func:`calibrate`, then :func:`freeze`.

@@ -108,7 +108,7 @@ class QuantizeReport:
         ]
         return (
             f"not nn.Linear, left in float: {'; '.join(parts)}: {self.other_fraction:.0%} of the matrix weights "
-            "(qfp8 quantizes nn.Linear and fused MoE experts)"
+            "(qfp8 quantizes nn.Linear, transformers' Conv1D and fused MoE experts)"
         )
 
     __repr__ = __str__
@@ -168,7 +168,10 @@ def other_weight_kinds(model: nn.Module, fused_experts=frozenset()) -> list[str]
 
 def other_kinds_clause(kinds: list[str]) -> str:
     """The part of a "nothing was quantized" message naming the weight-holding classes qfp8 does not take."""
-    return f"{', '.join(kinds)} layers have weights but qfp8 quantizes nn.Linear (and fused MoE experts) only"
+    return (
+        f"{', '.join(kinds)} layers have weights but qfp8 quantizes nn.Linear, transformers' Conv1D (and fused MoE "
+        "experts) only"
+    )
 
 
 def _first_names(names: list[str], limit: int) -> str:
