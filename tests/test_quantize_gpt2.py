@@ -116,28 +116,25 @@ def test_transformers_loading_with_qfp8_config_quantizes_conv1d_as_quantize_does
     assert torch.equal(reloaded(ids).logits, in_memory(ids).logits)
 
 
-@pytest.mark.parametrize(
-    "options", [[], ["--weight-scale", "tensor", "--exclude"]], ids=["default", "tensor-nothing-excluded"]
-)
+@pytest.mark.parametrize("options", [{}, {"weight_scale": "tensor", "exclude": ()}], ids=["default", "tensor-all"])
 def test_stream_quantize_reads_conv1d_transposed_and_writes_what_quantize_saves(tmp_path, options):
     """The CLI refused GPT-2 as "nothing to quantize"; it writes the tensors qfp8.quantize + save_pretrained write
-    (with nothing excluded: the tied lm_head too, and the embedding as its rows)."""
-    from qfp8.cli import main
+    (with nothing excluded: the tied lm_head too, and the embedding as its rows), and reports the same layers."""
+    from qfp8.checkpoint.stream import stream_quantize
 
     tiny_gpt2(dtype=torch.bfloat16).save_pretrained(tmp_path / "float")
+    cli_options = {("weight_scale_granularity" if k == "weight_scale" else k): v for k, v in options.items()}
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "stream"), "--no-progress", *options]) == 0
+        summary = stream_quantize(tmp_path / "float", tmp_path / "stream", progress=False, **cli_options)
     assert len(converted_warnings(record)) == 1
     model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "float").eval()
-    kwargs = {"weight_scale": "tensor", "exclude": ()} if options else {}
-    qfp8.quantize(model, **kwargs)
+    _, report = qfp8.quantize(model, **options)
     qfp8.save_pretrained(model, tmp_path / "memory")
-    streamed, in_memory = (
-        load_file(tmp_path / "stream" / "model.safetensors"),
-        load_file(tmp_path / "memory" / "model.safetensors"),
-    )
-    assert fp8_equal(streamed, in_memory)
+    as_rows = lambda r: [(e.name, e.quantized, e.out_features, e.in_features, e.scheme) for e in r.entries]  # noqa: E731
+    assert as_rows(summary["report"]) == as_rows(report)
+    streamed = load_file(tmp_path / "stream" / "model.safetensors")
+    assert fp8_equal(streamed, load_file(tmp_path / "memory" / "model.safetensors"))
     assert streamed["transformer.h.0.attn.c_attn.weight"].shape == (192, 64)
     assert ("lm_head.weight_scale" in streamed) == bool(options)
     configs = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("stream", "memory")]

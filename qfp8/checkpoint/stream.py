@@ -40,8 +40,9 @@ about what vLLM would refuse or could not run (see qfp8/checkpoint/config.py).
 are checked before the calibration too. ``qfp8 quantize`` stops on SIGTERM
 as on Ctrl-C: no partial file is left in DST.
 
-What is quantized, and what kept in float and why, is planned in
-qfp8/checkpoint/stream_plan.py.
+What is quantized, and what kept in float and why, is planned by
+``qfp8.quantize``'s planner (qfp8/quantize_plan.py) on a meta-device build of
+the model, translated to the checkpoint in qfp8/checkpoint/stream_plan.py.
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ def stream_quantize(
     accuracy: str | None = None,
     trust_remote_code: bool = False,
 ) -> dict:
-    """Quantizes the float checkpoint ``src`` into ``dst``; returns a summary (counts and bytes).
+    """Quantizes the float checkpoint ``src`` into ``dst``; returns a summary (counts and bytes, and ``"report"``:
+    a :class:`qfp8.QuantizeReport` of the checkpoint's linear layers).
 
     With ``activations="static"`` or ``kv_cache`` (``"float8_e4m3fn"`` /
     ``"float8_e5m2"``), a Llama-family checkpoint is calibrated layer by layer
@@ -217,9 +219,7 @@ def stream_quantize(
     layers = plan_layers(found, plan, checkpoint, scheme, exclude, accuracy)
     kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
     # Said before the work: a qfp8-only checkpoint, or what vLLM would refuse (see qfp8/checkpoint/compat.py).
-    converted = {
-        name: type(found.model.get_submodule(found.model_names.get(name, name))).__name__ for name in layers.transposed
-    }
+    converted = {name: found.transposed[name] for name in layers.transposed}  # GPT-2's Conv1D, written [out, in]
     for message in compat.save_warnings(layers.layers, kv_dtype, converted):
         warnings.warn(message, UserWarning, stacklevel=2)
 
@@ -256,6 +256,7 @@ def stream_quantize(
         "calibrated": sum(name.endswith(("input_scale", "k_scale", "v_scale")) for name in calibrated),
         "accuracy_weights": sum(name.endswith(".weight") for name in calibrated),
         "calibration_tokens": calibration_ids.numel() if needs_calibration else 0,
+        "report": layers.report,
     }
 
 

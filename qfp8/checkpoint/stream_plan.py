@@ -30,7 +30,7 @@ from qfp8.quantize_plan import (
     plan_quantization,
     tied_float_holders,
 )
-from qfp8.quantize_report import other_kinds_clause
+from qfp8.quantize_report import QuantizeReport, ReportEntry, other_kinds_clause
 
 __all__ = ["LayerPlan", "ModelLinears", "linear_names", "plan_layers"]
 
@@ -58,8 +58,9 @@ class ModelLinears:
     config_class: type | None = None  # transformers' config class of the checkpoint
     # each parameter's shape in the model config.json describes, by checkpoint name
     shapes: dict[str, tuple[int, ...]] | None = None
-    # the linear layers whose weight the checkpoint stores [in, out] (transformers' Conv1D: GPT-2's), by checkpoint name
-    transposed: set[str] = dataclasses.field(default_factory=set)
+    # the linear layers whose weight the checkpoint stores [in, out] (transformers' Conv1D: GPT-2's): checkpoint
+    # name -> class name
+    transposed: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.parts_of: dict[str, list[str]] = {}
@@ -104,14 +105,14 @@ def linear_names(config_dir: Path, stored: set[str], trust_remote_code: bool = F
     names = CheckpointNames(model)
     in_checkpoint = _StoredNames(names, stored)
     model_names = {}
-    linears, transposed = [], set()
+    linears, transposed = [], {}
     for name, m in model.named_modules(remove_duplicate=False):
         if is_linear_layer(m):
             linears.append(in_checkpoint.module(name))
             if linears[-1] != name:
                 model_names[linears[-1]] = name
             if is_transformers_conv1d(m):
-                transposed.add(linears[-1])
+                transposed[linears[-1]] = type(m).__name__
     parts = {}
     for item in find_fused_experts(model, check_weights=False):
         for expert in names.expert_modules(item.name, item.module._parameters[item.attr].shape[0]) or ():
@@ -209,6 +210,7 @@ class LayerPlan:
     skipped: set[str] = dataclasses.field(default_factory=set)  # a stored name the table is not written under
     untied: bool = False  # both names stored with different tables: transformers does not tie them either
     transposed: set[str] = dataclasses.field(default_factory=set)  # quantized layers stored [in, out] (Conv1D)
+    report: QuantizeReport = dataclasses.field(default_factory=QuantizeReport)  # as qfp8.quantize reports
 
 
 def plan_layers(found: ModelLinears, plan, checkpoint, scheme: QuantizationScheme, exclude, accuracy) -> LayerPlan:
@@ -243,7 +245,24 @@ def plan_layers(found: ModelLinears, plan, checkpoint, scheme: QuantizationSchem
         raise ValueError(f"{checkpoint.directory}: {why}")
     if experts_reason:
         warnings.warn(f"qfp8 quantize: fused MoE experts are kept in float: {experts_reason}", stacklevel=3)
+    layers.report = _report(layers, found)
     return layers
+
+
+def _report(layers: LayerPlan, found: ModelLinears) -> QuantizeReport:
+    """The plan as qfp8.quantize reports one: an entry per linear layer (expert part) of the checkpoint, its shape
+    [out, in], its scheme or why it stays float."""
+    report = QuantizeReport()
+    for name, (scheme, shape) in layers.layers.items():
+        if shape is not None and name in found.transposed and name not in layers.transposed:
+            shape = shape[::-1]  # a float Conv1D's weight, stored [in, out]
+        out_features, in_features = shape if shape is not None and len(shape) == 2 else (0, 0)
+        entry = ReportEntry(
+            name, in_features, out_features, quantized=scheme is not None, reason=layers.reasons.get(name, "")
+        )
+        entry.scheme = scheme.describe() if scheme is not None else ""
+        report.entries.append(entry)
+    return report
 
 
 def _tied_table(layers: LayerPlan, found: ModelLinears, plan) -> list[str]:
