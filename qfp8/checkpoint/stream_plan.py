@@ -245,17 +245,15 @@ def plan_layers(found: ModelLinears, plan, checkpoint, scheme: QuantizationSchem
         raise ValueError(f"{checkpoint.directory}: {why}")
     if experts_reason:
         warnings.warn(f"qfp8 quantize: fused MoE experts are kept in float: {experts_reason}", stacklevel=3)
-    layers.report = _report(layers, found)
+    layers.report = _report(layers)
     return layers
 
 
-def _report(layers: LayerPlan, found: ModelLinears) -> QuantizeReport:
+def _report(layers: LayerPlan) -> QuantizeReport:
     """The plan as qfp8.quantize reports one: an entry per linear layer (expert part) of the checkpoint, its shape
     [out, in], its scheme or why it stays float."""
     report = QuantizeReport()
     for name, (scheme, shape) in layers.layers.items():
-        if shape is not None and name in found.transposed and name not in layers.transposed:
-            shape = shape[::-1]  # a float Conv1D's weight, stored [in, out]
         out_features, in_features = shape if shape is not None and len(shape) == 2 else (0, 0)
         entry = ReportEntry(
             name, in_features, out_features, quantized=scheme is not None, reason=layers.reasons.get(name, "")
@@ -292,6 +290,8 @@ def _plan_linears(layers: LayerPlan, found: ModelLinears, decided: QuantizePlan,
     for name in found.linears:
         stored = plan.tensors.get(layers.weight_keys[name])
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
+        if shape is not None and name in found.transposed:  # a Conv1D's weight, stored [in, out]
+            shape = shape[::-1]
         reason = (
             entries[name].reason if not entries[name].quantized
             else "not stored in the checkpoint (tied to another tensor)" if stored is None
@@ -307,7 +307,6 @@ def _plan_linears(layers: LayerPlan, found: ModelLinears, decided: QuantizePlan,
             raise ValueError(f"{stored.file.path}: {stored.name} is {stored.file.info(stored.name).dtype}, not float")
         if name in found.transposed:  # written as a QLinear's weight: [out, in]
             layers.transposed.add(name)
-            shape = shape[::-1]
         layers.quantized[name] = scheme
         layers.layers[name] = (scheme, shape)
 
