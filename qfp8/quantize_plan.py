@@ -385,8 +385,9 @@ def plan_quantization(
 ) -> QuantizePlan:
     """Plans ``quantize`` on ``model`` (``exclude``: patterns, ``user_patterns``: whether the user gave them);
     changes nothing in the model. The one planner: ``qfp8.quantize`` runs it on the model, ``qfp8 quantize``
-    (qfp8/checkpoint/stream_plan.py) on a meta-device build of the checkpoint's class, with ``from_files``: the
-    weights' dtype and device are not judged (the checkpoint's tensors tell those), nor peft's adapters.
+    (qfp8/checkpoint/stream_plan.py) and transformers' ``Qfp8Config`` loading on a meta-device build of the
+    model, with ``from_files``: the weights' dtype and device are not judged (the checkpoint's tensors tell
+    those), nor which layers train in a peft model.
     ``names(name)``: the names exclude patterns are matched against (the model's own by default; the CLI
     adds the checkpoint's); ``wording``: how reasons and warnings name the caller and its option."""
     rules = _Rules(exclude, user_patterns, accuracy, from_files, names or (lambda name: (name,)), wording)
