@@ -1,7 +1,8 @@
 """``quantize`` / ``calibrate`` / ``freeze`` and the report of what was done.
 
-``quantize`` runs in stages: its arguments checked, the plan (:mod:`qfp8.quantize_plan`: what is quantized,
-what stays float and why), every weight checked, then the modules replaced. The report types live in
+``quantize`` runs in stages: its arguments checked, the plan (:mod:`qfp8.quantize_plan`, the one planner, which
+``qfp8 quantize`` runs too: what is quantized, what stays float and why), every weight checked, then the modules
+replaced. The report types live in
 :mod:`qfp8.quantize_report`, calibration and ``freeze`` in :mod:`qfp8.calibration`; every name is importable
 from here too.
 """
@@ -19,7 +20,7 @@ from qfp8.calibration import calibrate, check_calibrated, freeze
 from qfp8.library import memory
 from qfp8.library.routing import REFERENCE_KERNEL
 from qfp8.nn import QLinear, QuantizationScheme
-from qfp8.nn.conv import is_convolution, quantize_convolution
+from qfp8.nn.conv import is_convolution, is_transformers_conv1d, linear_from_conv1d, quantize_convolution
 from qfp8.nn.experts import QExperts, use_fp8_experts
 from qfp8.quantize_plan import (
     DEFAULT_EXCLUDE,
@@ -98,7 +99,8 @@ def quantize(
     block_size=formats.DEFAULT_BLOCK_SIZE,
     accuracy: str | None = None,
 ) -> QuantizeResult:
-    """Replaces every matching ``nn.Linear`` of ``model`` by a ``QLinear`` (in place).
+    """Replaces every matching ``nn.Linear`` of ``model`` by a ``QLinear`` (in place); transformers' ``Conv1D``
+    (GPT-2's layers, weight ``[in, out]``) too, by a QLinear of its transposed weight.
 
     Weights are quantized now and packed for their device's kernel; static
     activation scales still need :func:`calibrate`, then :func:`freeze`.
@@ -156,7 +158,7 @@ def quantize(
     # leaves the model as it was.
     _check_weights(plan)
     for note in plan.notes:
-        warnings.warn(note, stacklevel=2)
+        warnings.warn(note.text, stacklevel=2)
     _replace_linears(model, plan, scheme, accuracy)
     _replace_experts(plan, scheme, accuracy)
     report = plan.report
@@ -235,6 +237,8 @@ def _replace_linears(model: nn.Module, plan: QuantizePlan, scheme: QuantizationS
         linear = modules.pop(entry.name)
         if is_convolution(linear):
             qlinear = quantize_convolution(linear, scheme, entry.name, accuracy)
+        elif is_transformers_conv1d(linear):  # GPT-2's layers: a QLinear holding the weight transposed
+            qlinear = linear_from_conv1d(linear, scheme, entry.name, accuracy)
         else:
             qlinear = QLinear.from_linear(linear, scheme, entry.name, accuracy=accuracy)
         _carry_hooks(linear, qlinear, entry.name, stacklevel=4)

@@ -1,13 +1,18 @@
 """What ``quantize`` does to a model, decided before anything changes: which ``nn.Linear`` (and convolutions, fused
-MoE experts) are quantized and which stay float and why, the ties between weights, the warnings; and the helpers
-that ``quantize`` and the streaming path share for those decisions."""
+MoE experts) are quantized and which stay float and why, the ties between weights, the warnings.
+
+:func:`plan_quantization` is the one planner: ``qfp8.quantize`` runs it on the model it is given, ``qfp8 quantize``
+(qfp8/checkpoint/stream_plan.py) on a meta-device build of the checkpoint's class, then adds what only the files
+tell. The helpers ``quantize`` uses to carry out a plan (hooks, ties) live here too."""
 
 from __future__ import annotations
 
 import fnmatch
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from torch import nn
 from torch.nn.utils.prune import BasePruningMethod
@@ -15,7 +20,15 @@ from torch.nn.utils.weight_norm import WeightNorm  # the hook class (torch.nn.ut
 
 from qfp8 import formats
 from qfp8.nn import QLinear, QuantizationScheme
-from qfp8.nn.conv import convolution_reason, is_convolution, quantizes_convolutions
+from qfp8.nn.conv import (
+    conv1d_class_reason,
+    convolution_reason,
+    is_convolution,
+    is_linear_layer,
+    is_transformers_conv1d,
+    linear_features,
+    quantizes_convolutions,
+)
 from qfp8.nn.embedding import QEmbedding, untieable_reason
 from qfp8.nn.experts import checkpoint_parts, find_fused_experts, scheme_reason
 from qfp8.quantize_report import (
@@ -34,6 +47,8 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "META_REASON",
     "PLAIN_LINEAR_SUBCLASSES",
+    "PlanNote",
+    "PlanWording",
     "QuantizePlan",
     "exclude_patterns",
     "excluded_by",
@@ -47,6 +62,7 @@ __all__ = [
     "untie_config",
     "untie_problem",
     "unwrapped",
+    "weight_reason",
 ]
 
 KV_CACHE_DTYPES = (None, "float8_e4m3fn", "float8_e5m2")
@@ -114,7 +130,10 @@ META_REASON = (
 
 def linear_class_reason(module: nn.Linear) -> str | None:
     """Why ``quantize`` keeps a Linear of this kind float whatever its weight (the CLI asks it of a meta-device
-    build): a subclass with its own forward, or nn.MultiheadAttention's projection."""
+    build): a subclass with its own forward, or nn.MultiheadAttention's projection. Also takes transformers'
+    ``Conv1D``, which ``quantize`` replaces by a QLinear too."""
+    if is_transformers_conv1d(module):
+        return conv1d_class_reason(module)
     cls = type(module)
     plain = f"{cls.__module__}.{cls.__qualname__}" in PLAIN_LINEAR_SUBCLASSES
     if cls.forward is not nn.Linear.forward and not plain:
@@ -143,9 +162,9 @@ def adapter_reason(name: str, module: nn.Linear, in_peft_model: bool) -> str | N
     return None
 
 
-def _skip_reason(module: nn.Linear) -> str | None:
-    if reason := linear_class_reason(module):
-        return reason
+def weight_reason(module: nn.Linear) -> str | None:
+    """Why ``quantize`` keeps a Linear float for what its weight is (a dtype, the meta device, no elements, a
+    pruning or weight-norm hook recomputing it), or None; a checkpoint's tensors tell these for a meta build."""
     if not module.weight.is_floating_point() or module.weight.dtype in formats.FP8_DTYPES.values():
         return f"weight dtype {module.weight.dtype} is not a float format"
     if module.weight.device.type == "meta":
@@ -197,14 +216,20 @@ DEFAULT_KEEPS_TIED = "the default exclude keeps a tied output layer float, as it
 def untie_problem(modules: dict[str, nn.Module], others: list[str], exclude, explicit: bool = True) -> str | None:
     """Why the float modules ``others`` sharing a quantized Linear's weight cannot read it from FP8 (None: they
     are one plain ``nn.Embedding``, which becomes a QEmbedding)."""
+    pattern = excluded_by(others[0], exclude)
+    return _untie_problem(modules, others, pattern and f"excluded by pattern {pattern!r}", explicit)
+
+
+def _untie_problem(modules: dict[str, nn.Module], others: list[str], excluded: str | None, explicit: bool):
+    """:func:`untie_problem`, ``excluded`` saying how ``others[0]`` is excluded (None: it is not)."""
     holders = {id(modules[name]) for name in others}
     embedding = modules[others[0]]
     if len(holders) > 1 or not isinstance(embedding, nn.Embedding):
         return "tied weights, e.g. tie_word_embeddings"
     if why := untieable_reason(embedding):
         return why
-    if pattern := excluded_by(others[0], exclude):
-        return f"excluded by pattern {pattern!r}"
+    if excluded:
+        return excluded
     if not explicit:  # BERT's cls.predictions.decoder, say: an output layer not named lm_head
         return DEFAULT_KEEPS_TIED
     return None
@@ -295,7 +320,143 @@ def unwrapped(model: nn.Module) -> nn.Module:
             return model
 
 
-def _plan_convolutions(model: nn.Module, exclude, accuracy, planned: dict, report: QuantizeReport) -> list[str]:
+@dataclass(frozen=True)
+class PlanWording:
+    """How a plan's reasons and warnings name their caller and its exclude option: ``quantize``'s (the default)
+    or the CLI's, whose patterns come from ``--exclude``."""
+
+    caller: str = "quantize"
+    option: str = "exclude"
+    excluded: Callable[[str], str] = lambda pattern: f"excluded by pattern {pattern!r}"
+
+
+class PlanNote(NamedTuple):
+    """A warning the plan asks for, with its kind: ``"unmatched"`` (an exclude pattern matching nothing),
+    ``"tied_head"`` (a tied head quantized with its table), ``"tie"`` (a Linear kept float by a tie), ``"shared"``
+    (Linears sharing a weight), ``"coverage"`` (what the model keeps float overall)."""
+
+    kind: str
+    text: str
+
+
+@dataclass
+class QuantizePlan:
+    """What :func:`plan_quantization` decided for a model: the report (its entries say what is quantized and
+    why the others are not), the model's modules by name, the fused experts weights as ``(entry,
+    FusedExperts)``, the tied heads (a quantized Linear's name -> the embedding that will read its rows), the
+    warnings to give, whether the model holds peft layers, and the exclude pattern that keeps each excluded
+    entry float (by name)."""
+
+    report: QuantizeReport
+    modules: dict[str, nn.Module]
+    experts: list = field(default_factory=list)
+    ties: dict[str, str] = field(default_factory=dict)
+    notes: list[PlanNote] = field(default_factory=list)
+    in_peft_model: bool = False
+    excluded: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Rules:
+    """What the plan's decisions take besides the model: the patterns, the names they see, the wording."""
+
+    exclude: tuple
+    user_patterns: bool
+    accuracy: str | None
+    from_files: bool  # a meta-device build: what its weights would tell is the checkpoint's to say
+    names: Callable[[str], tuple]
+    wording: PlanWording
+
+    def pattern(self, name: str) -> str | None:
+        """The first pattern that excludes the module ``name`` (under any name it has), or None."""
+        return next((p for n in self.names(name) if (p := excluded_by(n, self.exclude))), None)
+
+
+def plan_quantization(
+    model: nn.Module,
+    scheme: QuantizationScheme,
+    exclude: tuple,
+    user_patterns: bool,
+    accuracy,
+    *,
+    from_files: bool = False,
+    names=None,
+    wording: PlanWording = PlanWording(),
+) -> QuantizePlan:
+    """Plans ``quantize`` on ``model`` (``exclude``: patterns, ``user_patterns``: whether the user gave them);
+    changes nothing in the model. The one planner: ``qfp8.quantize`` runs it on the model, ``qfp8 quantize``
+    (qfp8/checkpoint/stream_plan.py) and transformers' ``Qfp8Config`` loading on a meta-device build of the
+    model, with ``from_files``: the weights' dtype and device are not judged (the checkpoint's tensors tell
+    those), nor which layers train in a peft model.
+    ``names(name)``: the names exclude patterns are matched against (the model's own by default; the CLI
+    adds the checkpoint's); ``wording``: how reasons and warnings name the caller and its option."""
+    rules = _Rules(exclude, user_patterns, accuracy, from_files, names or (lambda name: (name,)), wording)
+    report = QuantizeReport()
+    in_peft_model = not from_files and _holds_peft_layers(model)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    plan = QuantizePlan(report, modules, in_peft_model=in_peft_model)
+    linear_names = _plan_linears(model, rules, plan)
+    plan.experts = _plan_experts(model, scheme, rules, plan, linear_names)
+    linears = [entry for entry in report.quantized if not entry.experts]
+    linear_names += _plan_ties(model, plan, linears, rules)
+    plan.notes += [PlanNote("shared", note) for note in _shared_weight_notes(modules, linears, wording.caller)]
+    if user_patterns:
+        seen = [n for name in linear_names for n in rules.names(name)]
+        notes = unmatched_exclude_notes(exclude, seen, type(model).__name__, wording.caller)
+        plan.notes += [PlanNote("unmatched", note) for note in notes]
+    quantized_experts = {id(item.module._parameters[item.attr]) for entry, item in plan.experts if entry.quantized}
+    quantized_experts |= {id(modules[e.name].weight) for e in report.entries if is_convolution(modules.get(e.name))}
+    _find_other_weights(model, report, quantized_experts)
+    plan.notes += [PlanNote("coverage", note) for note in _coverage_notes(model, report, user_patterns)]
+    return plan
+
+
+def _exclusion(rules: _Rules, plan: QuantizePlan, name: str) -> str:
+    """The reason text of ``name``'s exclusion ("" when no pattern excludes it), recorded in ``plan.excluded``."""
+    pattern = rules.pattern(name)
+    if pattern is None:
+        return ""
+    plan.excluded[name] = pattern
+    return rules.wording.excluded(pattern)
+
+
+def _plan_linears(model: nn.Module, rules: _Rules, plan: QuantizePlan) -> list[str]:
+    """Report entries for the model's ``nn.Linear`` and convolutions (one per module, its other names as
+    aliases); returns every name they have."""
+    planned: dict[int, ReportEntry] = {}
+    linear_names = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not is_linear_layer(module):  # an nn.Linear, or transformers' Conv1D (GPT-2's)
+            continue
+        linear_names.append(name)
+        if id(module) in planned:  # a shared submodule: one QLinear for all its names
+            entry = planned[id(module)]
+            entry.aliases.append(name)
+            if entry.quantized and (excluded := _exclusion(rules, plan, name)):  # excluded by any of its names
+                entry.reason, entry.quantized = f"{excluded} (as {name!r})", False
+                plan.excluded[entry.name] = plan.excluded[name]
+            continue
+        entry = ReportEntry(name, *linear_features(module), quantized=False)
+        entry.reason = _exclusion(rules, plan, name) or _linear_reason(name, module, rules, plan.in_peft_model)
+        entry.quantized = not entry.reason
+        planned[id(module)] = entry
+        plan.report.entries.append(entry)
+    linear_names += _plan_convolutions(model, rules, plan, planned)
+    return linear_names
+
+
+def _linear_reason(name: str, module: nn.Linear, rules: _Rules, in_peft_model: bool) -> str:
+    """Why the Linear ``name``, which no pattern excludes, stays float ("" when it is quantized)."""
+    return (
+        float_linear_reason(name)
+        or adapter_reason(name, module, in_peft_model)
+        or linear_class_reason(module)
+        or (None if rules.from_files else weight_reason(module))
+        or ""
+    )
+
+
+def _plan_convolutions(model: nn.Module, rules: _Rules, plan: QuantizePlan, planned: dict) -> list[str]:
     """Report entries for the model's ``nn.Conv1d`` / ``nn.Conv2d`` (quantized as QConv1d / QConv2d, see
     qfp8/nn/conv.py, unless a reason keeps one float); returns their names."""
     names = []
@@ -314,102 +475,33 @@ def _plan_convolutions(model: nn.Module, exclude, accuracy, planned: dict, repor
             planned[id(module)].aliases.append(name)
             continue
         entry = ReportEntry(name, module.weight[0].numel(), module.weight.shape[0], quantized=False)
-        pattern = excluded_by(name, exclude)
-        entry.reason = f"excluded by pattern {pattern!r}" if pattern else convolution_reason(module, accuracy)
+        entry.reason = _exclusion(rules, plan, name) or convolution_reason(module, rules.accuracy)
         entry.quantized = not entry.reason
         planned[id(module)] = entry
-        report.entries.append(entry)
+        plan.report.entries.append(entry)
     return names
 
 
-@dataclass
-class QuantizePlan:
-    """What :func:`plan_quantization` decided for a model: the report (its entries say what is quantized and
-    why the others are not), the model's modules by name, the fused experts weights as ``(entry,
-    FusedExperts)``, the tied heads (a quantized Linear's name -> the embedding that will read its rows), the
-    warnings to give, and whether the model holds peft layers."""
-
-    report: QuantizeReport
-    modules: dict[str, nn.Module]
-    experts: list = field(default_factory=list)
-    ties: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    in_peft_model: bool = False
-
-
-def plan_quantization(model: nn.Module, scheme: QuantizationScheme, exclude: tuple, user_patterns: bool, accuracy):
-    """Plans ``quantize`` on ``model`` (``exclude``: patterns, ``user_patterns``: whether the user gave them);
-    changes nothing in the model."""
-    report = QuantizeReport()
-    in_peft_model = _holds_peft_layers(model)
-    linear_names = _plan_linears(model, exclude, accuracy, in_peft_model, report)
-    experts = _plan_experts(model, scheme, accuracy, exclude, report, linear_names)
-    modules = dict(model.named_modules(remove_duplicate=False))
-    plan = QuantizePlan(report, modules, experts, in_peft_model=in_peft_model)
-    linears = [entry for entry in report.quantized if not entry.experts]
-    linear_names += _plan_ties(model, plan, linears, exclude, user_patterns)
-    plan.notes += _shared_weight_notes(modules, linears)
-    if user_patterns:
-        plan.notes += unmatched_exclude_notes(exclude, linear_names, type(model).__name__, "quantize")
-    quantized_experts = {id(item.module._parameters[item.attr]) for entry, item in experts if entry.quantized}
-    quantized_experts |= {id(modules[e.name].weight) for e in report.entries if is_convolution(modules.get(e.name))}
-    _find_other_weights(model, report, quantized_experts)
-    plan.notes += _coverage_notes(model, report, user_patterns)
-    return plan
-
-
-def _plan_linears(model: nn.Module, exclude, accuracy, in_peft_model: bool, report: QuantizeReport) -> list[str]:
-    """Report entries for the model's ``nn.Linear`` and convolutions (one per module, its other names as
-    aliases); returns every name they have."""
-    planned: dict[int, ReportEntry] = {}
-    linear_names = []
-    for name, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, nn.Linear):
-            continue
-        linear_names.append(name)
-        if id(module) in planned:  # a shared submodule: one QLinear for all its names
-            entry = planned[id(module)]
-            entry.aliases.append(name)
-            if entry.quantized and (pattern := excluded_by(name, exclude)):  # excluded by any of its names
-                entry.reason, entry.quantized = f"excluded by pattern {pattern!r} (as {name!r})", False
-            continue
-        entry = ReportEntry(name, module.in_features, module.out_features, quantized=False)
-        pattern = excluded_by(name, exclude)
-        entry.reason = (
-            f"excluded by pattern {pattern!r}"
-            if pattern
-            else (
-                float_linear_reason(name) or adapter_reason(name, module, in_peft_model) or _skip_reason(module) or ""
-            )
-        )
-        entry.quantized = not entry.reason
-        planned[id(module)] = entry
-        report.entries.append(entry)
-    linear_names += _plan_convolutions(model, exclude, accuracy, planned, report)
-    return linear_names
-
-
-def _plan_experts(model: nn.Module, scheme, accuracy, exclude, report: QuantizeReport, linear_names: list) -> list:
+def _plan_experts(model: nn.Module, scheme, rules: _Rules, plan: QuantizePlan, linear_names: list) -> list:
     """Report entries for the fused MoE experts weights; returns them as ``(entry, FusedExperts)`` and adds
     their names to ``linear_names``."""
     experts = []
-    for item in find_fused_experts(model):
+    for item in find_fused_experts(model, check_weights=not rules.from_files):
         count, out_features, in_features = item.module._parameters[item.attr].shape
         entry = ReportEntry(item.name, in_features, out_features, quantized=False, experts=count)
-        pattern = excluded_by(item.name, exclude)
         entry.reason = (
-            f"excluded by pattern {pattern!r}"
-            if pattern
-            else item.reason or scheme_reason(scheme, accuracy, out_features, checkpoint_parts(item.attr))
+            _exclusion(rules, plan, item.name)
+            or item.reason
+            or scheme_reason(scheme, rules.accuracy, out_features, checkpoint_parts(item.attr))
         )
         entry.quantized = not entry.reason
         linear_names.append(item.name)
         experts.append((entry, item))
-        report.entries.append(entry)
+        plan.report.entries.append(entry)
     return experts
 
 
-def _plan_ties(model: nn.Module, plan: QuantizePlan, linears: list, exclude, user_patterns: bool) -> list[str]:
+def _plan_ties(model: nn.Module, plan: QuantizePlan, linears: list, rules: _Rules) -> list[str]:
     """Fills ``plan.ties`` and the notes on tied weights; returns the names of the modules tied to a Linear.
 
     A Linear tied to a plain nn.Embedding (a tied lm_head) is quantized and
@@ -417,42 +509,45 @@ def _plan_ties(model: nn.Module, plan: QuantizePlan, linears: list, exclude, use
     table stays one, in FP8. Tied to anything else kept in float, it stays
     in float: an FP8 copy would break the tie and any checkpoint saved from the model.
     """
-    modules, names = plan.modules, []
+    modules, names, wording = plan.modules, [], rules.wording
     tied = tied_float_holders(model, [modules[entry.name] for entry in linears])
     for entry in linears:
         others = tied.get(id(modules[entry.name]))
         if not others:
             continue
         names += others  # an exclude pattern naming the embedding acts on the Linear
-        why = untie_problem(modules, others, exclude, explicit=user_patterns)
+        pattern = rules.pattern(others[0])
+        why = _untie_problem(modules, others, pattern and wording.excluded(pattern), rules.user_patterns)
         if why is None:
             plan.ties[entry.name] = others[0]
-            if exclude:  # patterns of yours that leave it in (exclude=() asks for everything: no warning)
-                plan.notes.append(tied_head_note(entry.name, others[0], "quantize", "exclude"))
+            if rules.exclude:  # patterns of yours that leave it in (exclude=() asks for everything: no warning)
+                note = tied_head_note(entry.name, others[0], wording.caller, wording.option)
+                plan.notes.append(PlanNote("tied_head", note))
             continue
         entry.quantized = False
         entry.reason = f"weight tied to {', '.join(others)} (kept in float)"
-        if why.startswith("excluded by"):
-            remedy = "to quantize both, leave it out of exclude"
+        if pattern is not None and why == wording.excluded(pattern):
+            remedy = f"to quantize both, leave it out of {wording.option}"
         elif why == DEFAULT_KEEPS_TIED:
-            remedy = "to quantize both (one FP8 table), pass exclude=() or your own patterns"
+            remedy = f"to quantize both (one FP8 table), pass {wording.option}=() or your own patterns"
         else:
             remedy = "to quantize it, give it its own copy of the weight first"
-        plan.notes.append(
-            f"quantize: {entry.name!r} is kept in float: its weight is the same Parameter as that of "
+        note = (
+            f"{wording.caller}: {entry.name!r} is kept in float: its weight is the same Parameter as that of "
             f"{', '.join(map(repr, others))}, which stays in float ({why}); {remedy}"
         )
+        plan.notes.append(PlanNote("tie", note))
     return names
 
 
-def _shared_weight_notes(modules: dict[str, nn.Module], linears: list) -> list[str]:
+def _shared_weight_notes(modules: dict[str, nn.Module], linears: list, caller: str) -> list[str]:
     """A note for each weight Parameter held by several quantized Linears that are different modules."""
     sharing: dict[int, list[str]] = {}
     for entry in linears:
         if entry.quantized:
             sharing.setdefault(id(modules[entry.name].weight), []).append(entry.name)
     return [
-        f"quantize: {', '.join(map(repr, names))} hold one weight Parameter; each gets its own FP8 copy (the "
+        f"{caller}: {', '.join(map(repr, names))} hold one weight Parameter; each gets its own FP8 copy (the "
         f"tie is not kept, and the weight's bytes count {len(names)} times): make them one module to quantize "
         "it once (a module shared under several names is), or exclude all but one"
         for names in sharing.values()
@@ -479,7 +574,7 @@ def _coverage_notes(model: nn.Module, report: QuantizeReport, user_patterns: boo
             if report.entries
             else "it has no nn.Linear"
         )
-        if report.others:  # GPT-2's Conv1D, for one
+        if report.others:  # a convolution of a transformers model, for one
             why += "; " + other_kinds_clause(sorted({other.kind for other in report.others}))
         notes.append(f"quantize: nothing was quantized in {type(model).__name__}: {why}")
     elif report.other_fraction >= OTHER_WEIGHTS_WARNING:  # fused MoE experts, for one

@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from qfp8.nn.conv import is_linear_layer
+
 __all__ = [
     "OTHER_WEIGHTS_WARNING",
     "OtherWeights",
@@ -47,7 +49,7 @@ class QuantizeReport:
     """Every ``nn.Linear`` of the model: its scheme and kernel, or why it was skipped.
 
     ``others``: modules with float matrix weights that are not ``nn.Linear``
-    (fused MoE experts, GPT-2's Conv1D, convolutions), which stay in float;
+    (fused MoE experts kept float, convolutions of a transformers model), which stay in float;
     ``other_fraction`` is their share of all matrix weights (Linear and those).
     """
 
@@ -106,7 +108,7 @@ class QuantizeReport:
         ]
         return (
             f"not nn.Linear, left in float: {'; '.join(parts)}: {self.other_fraction:.0%} of the matrix weights "
-            "(qfp8 quantizes nn.Linear and fused MoE experts)"
+            "(qfp8 quantizes nn.Linear, transformers' Conv1D and fused MoE experts)"
         )
 
     __repr__ = __str__
@@ -128,7 +130,7 @@ def _find_other_weights(model: nn.Module, report: QuantizeReport, quantized_expe
     """
     linear = other = 0
     seen: set[int] = set()
-    linears = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    linears = {name for name, module in model.named_modules() if is_linear_layer(module)}
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding):
             continue
@@ -147,7 +149,7 @@ def _find_other_weights(model: nn.Module, report: QuantizeReport, quantized_expe
                     linear += param.numel()
                 else:
                     numel += param.numel()
-        if isinstance(module, nn.Linear):
+        if is_linear_layer(module):
             linear += numel
         elif numel:
             report.others.append(OtherWeights(name or type(model).__name__, type(module).__name__, numel))
@@ -156,8 +158,9 @@ def _find_other_weights(model: nn.Module, report: QuantizeReport, quantized_expe
 
 
 def other_weight_kinds(model: nn.Module, fused_experts=frozenset()) -> list[str]:
-    """The classes of the modules that hold float matrix weights outside ``nn.Linear`` (GPT-2's ``Conv1D``), as
-    :func:`_find_other_weights` finds them; ``fused_experts``: ids of fused experts parameters, not counted."""
+    """The classes of the modules that hold float matrix weights outside the linear layers (a vision tower's
+    convolutions), as :func:`_find_other_weights` finds them; ``fused_experts``: ids of fused experts parameters,
+    not counted."""
     report = QuantizeReport()
     _find_other_weights(model, report, fused_experts)
     return sorted({other.kind for other in report.others})
@@ -165,7 +168,10 @@ def other_weight_kinds(model: nn.Module, fused_experts=frozenset()) -> list[str]
 
 def other_kinds_clause(kinds: list[str]) -> str:
     """The part of a "nothing was quantized" message naming the weight-holding classes qfp8 does not take."""
-    return f"{', '.join(kinds)} layers have weights but qfp8 quantizes nn.Linear (and fused MoE experts) only"
+    return (
+        f"{', '.join(kinds)} layers have weights but qfp8 quantizes nn.Linear, transformers' Conv1D (and fused MoE "
+        "experts) only"
+    )
 
 
 def _first_names(names: list[str], limit: int) -> str:

@@ -1,5 +1,6 @@
-"""The tiny random models the tests build: a Llama of a few layers (sizes overridable) and a saved Llama with a
-byte-level BPE tokenizer, for the code paths that read a model folder. Built from configs, never downloaded."""
+"""The tiny random models the tests build: a Llama of a few layers (sizes overridable), a GPT-2 (whose linear
+layers are transformers' Conv1D) and a saved Llama with a byte-level BPE tokenizer, for the code paths that read a
+model folder. Built from configs, never downloaded."""
 
 from __future__ import annotations
 
@@ -35,6 +36,19 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, attn_implement
         config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+# Two GPT-2 blocks: c_attn, c_proj, c_fc and c_proj are transformers' Conv1D (weight [in, out]); lm_head, an
+# nn.Linear, is tied to the token embedding.
+TINY_GPT2 = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
+
+
+def tiny_gpt2(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A random ``GPT2LMHeadModel`` of :data:`TINY_GPT2`'s sizes (``seed`` sets its weights), in eval mode."""
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**TINY_GPT2, **overrides})).to(dtype).eval()
 
 
 def save_tiny_llama(folder: str | os.PathLike, vocab_size: int = 512, seed: int = 0) -> Path:

@@ -225,7 +225,7 @@ def folder_with_tokenizer(float_folder, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpt2_folder(tmp_path_factory):
-    """A tiny float GPT-2 checkpoint (its weights are transformers' Conv1D, not nn.Linear) without a tokenizer."""
+    """A tiny float GPT-2 checkpoint (its linear layers are transformers' Conv1D) without a tokenizer."""
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0
@@ -308,21 +308,22 @@ def test_quantize_refuses_options_it_would_ignore(float_folder, tmp_path, monkey
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case", ["gpt2-conv1d", "all-excluded", "head-only"])
+@pytest.mark.parametrize("case", ["gpt2-all-excluded", "all-excluded", "head-only"])
 def test_quantize_refuses_a_model_with_nothing_to_quantize(
     float_folder, gpt2_folder, tmp_path, monkeypatch, capsys, case
 ):
-    """GPT-2's weights are Conv1D: the CLI had written a float checkpoint labelled compressed-tensors (empty
-    config_groups), saying only "0 linear layers quantized"; it is refused before anything is written."""
+    """Nothing left to quantize: no float checkpoint labelled compressed-tensors (empty config_groups) is written,
+    saying only "0 linear layers quantized"; it is refused before anything is written. GPT-2's Conv1D layers
+    count as linear layers."""
     monkeypatch.delenv("QFP8_TRACEBACK", raising=False)
     dst = tmp_path / "out"
-    if case == "gpt2-conv1d":
+    if case == "gpt2-all-excluded":
         args, expected = (
-            [gpt2_folder, dst],
+            [gpt2_folder, dst, "--exclude", "lm_head", "c_*"],
             (
                 f"qfp8 quantize: error: {gpt2_folder}: nothing to quantize in GPT2LMHeadModel: every nn.Linear of it "
-                "is kept in float (1 excluded by the default --exclude lm_head); Conv1D layers have weights but qfp8 "
-                "quantizes nn.Linear (and fused MoE experts) only; no checkpoint written\n"
+                "is kept in float (4 excluded by --exclude c_*; 1 excluded by --exclude lm_head); give --exclude "
+                "patterns that leave some to quantize; no checkpoint written\n"
             ),
         )
     elif case == "all-excluded":

@@ -164,12 +164,10 @@ def test_state_dict_hooks_are_dropped_with_a_warning():
 
 # ------------------------------------------------------- nothing to quantize
 def test_nothing_quantized_warns_naming_the_model_class():
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config)
-    with pytest.warns(UserWarning, match=r"nothing was quantized in GPT2LMHeadModel.*Conv1D"):
-        _, report = qfp8.quantize(model)
-    assert not report.quantized
-    with pytest.warns(UserWarning, match=r"nothing was quantized in Sequential: it has no nn.Linear"):
+    with pytest.warns(UserWarning, match=r"nothing was quantized in Sequential: it has no nn.Linear; Bilinear layers"):
+        _, report = qfp8.quantize(nn.Sequential(nn.Bilinear(8, 8, 4)))
+    assert not report.quantized and [other.kind for other in report.others] == ["Bilinear"]
+    with pytest.warns(UserWarning, match=r"nothing was quantized in Sequential: it has no nn.Linear$"):
         qfp8.quantize(nn.Sequential(nn.ReLU()))
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "VLLM_CPU",
     "VLLM_CPU_KV_CACHE",
     "VLLM_CPU_VERSION",
+    "converted_layers_warning",
     "cpu_kind",
     "markdown_matrix",
     "save_warnings",
@@ -183,12 +184,17 @@ def serves_on(layers: dict[str, qconfig.Layer], qfp8_only: bool, fp8_kv_cache: b
     }
 
 
-def save_warnings(layers: dict[str, qconfig.Layer], kv_cache_dtype: torch.dtype | None) -> list[str]:
-    """:func:`qconfig.save_warnings`, and what vLLM's CPU engine cannot run of a checkpoint the others read."""
+def save_warnings(
+    layers: dict[str, qconfig.Layer], kv_cache_dtype: torch.dtype | None, converted: dict[str, str] | None = None
+) -> list[str]:
+    """:func:`qconfig.save_warnings`, and what vLLM's CPU engine cannot run of a checkpoint the others read.
+    ``converted``: quantized layer -> the class it stands for when that is no nn.Linear (GPT-2's Conv1D)."""
     schemes = {name: scheme for name, (scheme, _) in layers.items() if scheme is not None}
     messages = qconfig.save_warnings(layers, kv_cache_dtype)
     if qconfig.qfp8_only_reasons(schemes, kv_cache_dtype):
         return messages
+    if converted:
+        messages.append(converted_layers_warning(converted))
     problems = vllm_cpu_problems(layers)
     if problems:
         messages.append(
@@ -196,6 +202,22 @@ def save_warnings(layers: dict[str, qconfig.Layer], kv_cache_dtype: torch.dtype 
             "(see docs/vllm.md):\n" + "\n".join(f"  - {problem}" for problem in problems)
         )
     return messages
+
+
+def converted_layers_warning(converted: dict[str, str]) -> str:
+    """The warning for a checkpoint whose quantized linear layers stand for layers of another class (``converted``:
+    name -> class, transformers' Conv1D), which qfp8 writes as linear layers ([out, in] FP8 weight)."""
+    kinds = sorted(set(converted.values()))
+    names = list(dict.fromkeys(qconfig._name_pattern(name) for name in converted))
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    leaves = list(dict.fromkeys(name.rpartition(".")[2] for name in names))
+    return (
+        f"{' and '.join(kinds)} layers ({shown}: {len(converted)} modules) are written as qfp8 linear layers, their "
+        f"FP8 weight [out, in] (the model's {kinds[0]} stores [in, out]): only qfp8 reads this checkpoint "
+        "(qfp8.from_pretrained, or transformers with qfp8's Qfp8Config). transformers without qfp8 cannot load it, "
+        "nor vLLM, whose GPT-2 loader transposes the c_attn/c_proj/c_fc weights it reads. To write one they load, "
+        f"keep these layers float (exclude their names: {', '.join(map(repr, leaves))})"
+    )
 
 
 def _cell(verdict: CpuVerdict) -> str:

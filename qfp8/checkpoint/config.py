@@ -582,40 +582,54 @@ def vllm_incompatibilities(layers: dict[str, Layer]) -> list[str]:
         for fused_name, shards in FUSED_LAYERS.items():
             if leaf in shards and not _EXPERT_PART.match(name):  # experts: the MoE rules below
                 fused.setdefault((parent, fused_name), {})[leaf] = (scheme, shape)
-        if scheme is not None and leaf == "lm_head":
-            add(
-                "a quantized lm_head: vLLM builds lm_head as a ParallelLMHead, a VocabParallelEmbedding and no "
-                "LinearBase, which CompressedTensorsConfig.get_quant_method gives no compressed-tensors scheme (newer "
-                "vLLM takes one only from a config group naming lm_head, never from the 'Linear' target qfp8 writes "
-                "for a one-scheme model); unquantized, its loader fails on lm_head.weight_scale. Keep lm_head float "
-                "(the default exclude)",
-                name,
-            )
-        if scheme is not None and leaf in VLLM_FLOAT_LINEARS:
-            add(f"a quantized {leaf}: vLLM's {VLLM_FLOAT_LINEARS[leaf]}", name)
-        if scheme is None or scheme.weight_scale != "block":
-            continue
-        bn, bk = scheme.block_size
-        if scheme.activations == "static":
-            add(
-                "block weight scales with static input scales: vLLM's CompressedTensorsW8A8Fp8 asserts "
-                "(no static-input kernel for block weights); use dynamic activations with activation_scale='group'",
-                name,
-            )
-        if scheme.activations is None:
-            continue  # the two rules below are those of vLLM's W8A8 block path (CompressedTensorsW8A8Fp8)
-        if bn != bk:
-            add(
-                f"block size [{bn}, {bk}]: vLLM quantizes a block layer's input in 1 x block_n groups and its "
-                "block GEMM asserts cdiv(K, block_k) == K / block_n, so it needs block_n == block_k",
-                name,
-            )
-        if shape is not None and shape[1] % bn:
-            add(
-                f"K = {shape[1]} is not a multiple of block_n = {bn}: vLLM quantizes a block layer's input in "
-                f"1 x {bn} groups and asserts K % {bn} == 0",
-                name,
-            )
+        _layer_problems(name, leaf, scheme, shape, add)
+    _fused_problems(fused, add)
+    _moe_problems(layers, one_scheme, add)
+    return _problem_lines(found)
+
+
+def _layer_problems(name: str, leaf: str, scheme, shape, add) -> None:
+    """:func:`vllm_incompatibilities`' rules on one layer: a quantized lm_head or float-only Linear, and block
+    scales vLLM cannot run."""
+    if scheme is not None and leaf == "lm_head":
+        add(
+            "a quantized lm_head: vLLM builds lm_head as a ParallelLMHead, a VocabParallelEmbedding and no "
+            "LinearBase, which CompressedTensorsConfig.get_quant_method gives no compressed-tensors scheme (newer "
+            "vLLM takes one only from a config group naming lm_head, never from the 'Linear' target qfp8 writes "
+            "for a one-scheme model); unquantized, its loader fails on lm_head.weight_scale. Keep lm_head float "
+            "(the default exclude)",
+            name,
+        )
+    if scheme is not None and leaf in VLLM_FLOAT_LINEARS:
+        add(f"a quantized {leaf}: vLLM's {VLLM_FLOAT_LINEARS[leaf]}", name)
+    if scheme is None or scheme.weight_scale != "block":
+        return
+    bn, bk = scheme.block_size
+    if scheme.activations == "static":
+        add(
+            "block weight scales with static input scales: vLLM's CompressedTensorsW8A8Fp8 asserts "
+            "(no static-input kernel for block weights); use dynamic activations with activation_scale='group'",
+            name,
+        )
+    if scheme.activations is None:
+        return  # the two rules below are those of vLLM's W8A8 block path (CompressedTensorsW8A8Fp8)
+    if bn != bk:
+        add(
+            f"block size [{bn}, {bk}]: vLLM quantizes a block layer's input in 1 x block_n groups and its "
+            "block GEMM asserts cdiv(K, block_k) == K / block_n, so it needs block_n == block_k",
+            name,
+        )
+    if shape is not None and shape[1] % bn:
+        add(
+            f"K = {shape[1]} is not a multiple of block_n = {bn}: vLLM quantizes a block layer's input in "
+            f"1 x {bn} groups and asserts K % {bn} == 0",
+            name,
+        )
+
+
+def _fused_problems(fused: dict, add) -> None:
+    """:func:`vllm_incompatibilities`' rules on the shards of each layer vLLM fuses (``fused``: (parent, fused
+    name) -> {shard: layer})."""
     for (parent, fused_name), shards in fused.items():
         order = [leaf for leaf in FUSED_LAYERS[fused_name] if leaf in shards]
         views = [_vllm_args(shards[leaf][0], shards[leaf][0] in expanded) for leaf in order]
@@ -648,8 +662,6 @@ def vllm_incompatibilities(layers: dict[str, Layer]) -> list[str]:
                     f"of block_n (validate_fp8_block_shape{older})",
                     where,
                 )
-    _moe_problems(layers, one_scheme, add)
-    return _problem_lines(found)
 
 
 def transformers_incompatibilities(layers: dict[str, Layer]) -> list[str]:

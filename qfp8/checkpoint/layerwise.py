@@ -324,24 +324,9 @@ def calibrate_layerwise(
     """
     from transformers.cache_utils import DynamicCache
 
-    check_architecture(plan.config, plan.directory)
-    embed_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
-    # A tied table may be stored under either name (qfp8's own SmolLM2 folder holds lm_head.weight).
-    aliases = {embed_name: head_name, head_name: embed_name}
-    table_name = embed_name if embed_name in plan.tensors else head_name
-    if table_name not in plan.tensors:
-        raise ValueError(f"{plan.directory}: the checkpoint has no {embed_name!r}")
-    table_stored = plan.tensors[table_name]
-    model = _meta_model(plan.directory, table_stored.file.info(table_stored.name).dtype)
+    model, tied, aliases = _calibration_model(plan, quantized)
     config, base = model.config, model.model
-    tied = model.lm_head.weight is base.embed_tokens.weight
-    if not tied and table_name != embed_name:
-        raise ValueError(f"{plan.directory}: the checkpoint has no {embed_name!r}")
-    aliases = aliases if tied else None
     layers = base.layers
-    outside = [name for name in quantized if not name.startswith("model.layers.") and name != "lm_head"]
-    if outside:
-        raise ValueError(f"{plan.directory}: layer-by-layer calibration cannot reach quantized linears {outside[:5]}")
     ids = calibration_rows(ids, config.vocab_size, getattr(config, "max_position_embeddings", None))
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"calibration batch size must be >= 1, got {batch_size}")
@@ -401,14 +386,41 @@ def calibrate_layerwise(
             _return_freed_memory()
             step(2 + index, total)
         if calibrate_head:
-            _materialize(base.norm, "model.norm.", plan)
-            holder = nn.Module()  # quantize() replaces children: lm_head needs a parent
-            holder.lm_head = model.lm_head
-            _materialize(holder, "", plan, aliases)
-            quantize(holder, **{**quantize_args, "kv_cache": None}, exclude=())
-            with calibrate(holder):
-                for state in hidden:
-                    holder.lm_head(base.norm(state))
-            scales.update(_calibrated_tensors(holder, "", str(plan.directory)))
+            scales.update(_calibrate_head(model, plan, aliases, quantize_args, hidden))
             step(total, total)
     return scales
+
+
+def _calibration_model(plan: CheckpointPlan, quantized: dict) -> tuple[nn.Module, bool, dict | None]:
+    """The meta-device model :func:`calibrate_layerwise` fills layer by layer, whether its head is tied to its
+    embedding, and the names a tied table is stored under; ValueError for a checkpoint it cannot calibrate."""
+    check_architecture(plan.config, plan.directory)
+    embed_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
+    # A tied table may be stored under either name (qfp8's own SmolLM2 folder holds lm_head.weight).
+    aliases = {embed_name: head_name, head_name: embed_name}
+    table_name = embed_name if embed_name in plan.tensors else head_name
+    if table_name not in plan.tensors:
+        raise ValueError(f"{plan.directory}: the checkpoint has no {embed_name!r}")
+    table_stored = plan.tensors[table_name]
+    model = _meta_model(plan.directory, table_stored.file.info(table_stored.name).dtype)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    if not tied and table_name != embed_name:
+        raise ValueError(f"{plan.directory}: the checkpoint has no {embed_name!r}")
+    outside = [name for name in quantized if not name.startswith("model.layers.") and name != "lm_head"]
+    if outside:
+        raise ValueError(f"{plan.directory}: layer-by-layer calibration cannot reach quantized linears {outside[:5]}")
+    return model, tied, aliases if tied else None
+
+
+def _calibrate_head(model: nn.Module, plan: CheckpointPlan, aliases, quantize_args: dict, hidden: list) -> dict:
+    """The quantized lm_head's calibrated tensors, from the last layer's ``hidden`` states."""
+    base = model.model
+    _materialize(base.norm, "model.norm.", plan)
+    holder = nn.Module()  # quantize() replaces children: lm_head needs a parent
+    holder.lm_head = model.lm_head
+    _materialize(holder, "", plan, aliases)
+    quantize(holder, **{**quantize_args, "kv_cache": None}, exclude=())
+    with calibrate(holder):
+        for state in hidden:
+            holder.lm_head(base.norm(state))
+    return _calibrated_tensors(holder, "", str(plan.directory))

@@ -40,8 +40,9 @@ about what vLLM would refuse or could not run (see qfp8/checkpoint/config.py).
 are checked before the calibration too. ``qfp8 quantize`` stops on SIGTERM
 as on Ctrl-C: no partial file is left in DST.
 
-What is quantized, and what kept in float and why, is planned in
-qfp8/checkpoint/stream_plan.py.
+What is quantized, and what kept in float and why, is planned by
+``qfp8.quantize``'s planner (qfp8/quantize_plan.py) on a meta-device build of
+the model, translated to the checkpoint in qfp8/checkpoint/stream_plan.py.
 """
 
 from __future__ import annotations
@@ -186,7 +187,8 @@ def stream_quantize(
     accuracy: str | None = None,
     trust_remote_code: bool = False,
 ) -> dict:
-    """Quantizes the float checkpoint ``src`` into ``dst``; returns a summary (counts and bytes).
+    """Quantizes the float checkpoint ``src`` into ``dst``; returns a summary (counts and bytes, and ``"report"``:
+    a :class:`qfp8.QuantizeReport` of the checkpoint's linear layers).
 
     With ``activations="static"`` or ``kv_cache`` (``"float8_e4m3fn"`` /
     ``"float8_e5m2"``), a Llama-family checkpoint is calibrated layer by layer
@@ -200,8 +202,11 @@ def stream_quantize(
     calibration; they are held in memory until written. Otherwise the
     calibration arguments are not used.
 
-    A model with nothing to quantize (GPT-2, whose weights are ``Conv1D``; every
-    Linear excluded) is a ValueError saying why, before anything is written.
+    A model with nothing to quantize (every Linear excluded, say) is a ValueError
+    saying why, before anything is written. transformers' ``Conv1D`` layers
+    (GPT-2's, weight stored ``[in, out]``) are quantized as linear layers: their
+    weight is read transposed and written ``[out, in]``, as ``qfp8.quantize`` +
+    ``qfp8.save_pretrained`` write it.
     """
     rounding.check_mode(accuracy)
     scheme = QuantizationScheme.from_args(weights, weight_scale_granularity, activations, activation_scale, block_size)
@@ -215,7 +220,8 @@ def stream_quantize(
     layers = plan_layers(found, plan, checkpoint, scheme, exclude, accuracy)
     kv_dtype = None if kv_cache is None else formats.fp8_dtype(kv_cache)
     # Said before the work: a qfp8-only checkpoint, or what vLLM would refuse (see qfp8/checkpoint/compat.py).
-    for message in compat.save_warnings(layers.layers, kv_dtype):
+    converted = {name: found.transposed[name] for name in layers.transposed}  # GPT-2's Conv1D, written [out, in]
+    for message in compat.save_warnings(layers.layers, kv_dtype, converted):
         warnings.warn(message, UserWarning, stacklevel=2)
 
     calibrated: dict[str, torch.Tensor] = {}
@@ -251,6 +257,7 @@ def stream_quantize(
         "calibrated": sum(name.endswith(("input_scale", "k_scale", "v_scale")) for name in calibrated),
         "accuracy_weights": sum(name.endswith(".weight") for name in calibrated),
         "calibration_tokens": calibration_ids.numel() if needs_calibration else 0,
+        "report": layers.report,
     }
 
 
@@ -312,6 +319,7 @@ class _StreamedWeights:
     def __init__(self, plan, scheme: QuantizationScheme, calibrated: dict, found: ModelLinears, layers: LayerPlan):
         self.plan, self.scheme, self.calibrated = plan, scheme, calibrated
         self.expert_parts, self.weight_keys, self.tied_head = found.expert_parts, layers.weight_keys, layers.tied_head
+        self.transposed = layers.transposed
         self.scales: dict[str, torch.Tensor] = {}
         self.tied_fp8: list = []  # [codes, scale, writes left]
 
@@ -321,8 +329,13 @@ class _StreamedWeights:
     def scalar(self, name: str) -> PlannedTensor:
         return PlannedTensor(name, torch.float32, (1,), lambda: self.calibrated[name])
 
+    def load_weight(self, module: str, key: str) -> torch.Tensor:
+        """The float weight of ``module`` as ``[out, in]`` (a Conv1D's is stored ``[in, out]``)."""
+        weight = self.plan.load(key, mmap=False)
+        return weight.t().contiguous() if module in self.transposed else weight
+
     def read_scale(self, module: str, key: str) -> torch.Tensor:
-        scale = weight_scale(weight := self.plan.load(key, mmap=False), self.scheme)
+        scale = weight_scale(weight := self.load_weight(module, key), self.scheme)
         if not torch.isfinite(scale).all():  # NaN/Inf in the weight: refused, as quantize refuses it
             raise ValueError(
                 f"{self.plan.tensors[key].file.path}: {key} {list(weight.shape)} holds NaN/Inf values, which FP8 "
@@ -358,7 +371,7 @@ class _StreamedWeights:
         key = module + ".weight"
         if key in self.calibrated:  # accuracy mode: the weight and its scale as calibration chose them
             return self.calibrated[key]
-        return quantize_rows(self.plan.load(self.weight_key(module), mmap=False), self.take_scale(module), self.scheme)
+        return quantize_rows(self.load_weight(module, self.weight_key(module)), self.take_scale(module), self.scheme)
 
     def tied_head_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
         tied_fp8 = self.tied_fp8
@@ -402,7 +415,7 @@ def _planned_tensors(plan, found: ModelLinears, layers: LayerPlan, source: _Stre
             )
             module = tied_head
         if module in quantized:
-            n, k = info.shape
+            n, k = reversed(info.shape) if module in layers.transposed else info.shape
             out.append(
                 PlannedTensor(module + ".weight", scheme.weight_dtype, (n, k), lambda m=module: source.weight(m))
             )

@@ -1,8 +1,10 @@
 """What ``qfp8 quantize`` (:func:`qfp8.checkpoint.stream.stream_quantize`) quantizes in a float checkpoint.
 
-The model's ``nn.Linear`` modules and fused experts come from a meta-device
-build of its class; which of them are quantized, which kept in float and why
-(``--exclude``, MoE gates, a tied head) follows ``qfp8.quantize``'s rules.
+The model's class is built on the meta device and planned by qfp8.quantize's
+one planner (:func:`qfp8.quantize_plan.plan_quantization`); what is decided
+there is only translated here to the checkpoint's names, with what only the
+files can tell added: a tensor not stored, not 2-D or not floating point,
+experts stored fused, a tied table stored as two different ones.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -18,46 +19,58 @@ from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.naming import CheckpointNames
 from qfp8.checkpoint.remote_code import auto_config
 from qfp8.checkpoint.skeleton import build_model
-from qfp8.nn.experts import find_fused_experts, scheme_reason
+from qfp8.nn.conv import is_linear_layer, is_transformers_conv1d
+from qfp8.nn.experts import find_fused_experts
 from qfp8.nn.scheme import QuantizationScheme
-from qfp8.quantize import (
+from qfp8.quantize_plan import (
     DEFAULT_EXCLUDE,
-    DEFAULT_KEEPS_TIED,
+    PlanWording,
+    QuantizePlan,
     exclude_patterns,
-    excluded_by,
-    float_linear_reason,
-    linear_class_reason,
-    other_kinds_clause,
-    other_weight_kinds,
+    plan_quantization,
     tied_float_holders,
-    tied_head_note,
-    unmatched_exclude_notes,
-    untie_problem,
 )
+from qfp8.quantize_report import QuantizeReport, ReportEntry, other_kinds_clause
 
 __all__ = ["LayerPlan", "ModelLinears", "linear_names", "plan_layers"]
 
+# The plan's warnings the CLI gives: a pattern matching nothing, a tied head your patterns leave in.
+STREAM_NOTES = ("unmatched", "tied_head")
 
-class ModelLinears(NamedTuple):
-    """What :func:`linear_names` finds in the model config.json describes."""
 
-    linears: list[str]  # the checkpoint names of its nn.Linear modules
+@dataclasses.dataclass
+class ModelLinears:
+    """The meta-device build of the model config.json describes, and its names in the checkpoint."""
+
+    model: torch.nn.Module  # on the meta device
+    names: _StoredNames
+    linears: list[str]  # the checkpoint names of its linear layers
     # its fused experts' parts, each mapped to the model name of its fused parameter and the parts of its
     # expert, e.g. ``...experts.0.w1`` -> ``("...experts.gate_up_proj", ["...experts.0.w1", "...experts.0.w3"])``
     expert_parts: dict[str, tuple[str, list[str]]]
     model_name: str  # the class built, e.g. "GPT2LMHeadModel"
-    other_kinds: list[str]  # classes of other modules holding float matrix weights (GPT-2's Conv1D), kept in float
-    # (head, embedding, why not) checkpoint names of an output head tied to float modules (see _tied_head)
-    tied: tuple[str, str, str | None] | None = None
+    # (head, embedding) model names of an output head whose weight float modules (its input embedding) hold
+    tied: tuple[str, str] | None = None
     # each Parameter held under several names (BERT's tied cls.predictions.bias): checkpoint name -> the others
     shared: dict[str, list[str]] | None = None
     # checkpoint module name -> the model's, where they differ (see qconfig.build_quantization_config)
     model_names: dict[str, str] | None = None
     config_class: type | None = None  # transformers' config class of the checkpoint
-    # Linears quantize keeps float by their kind (SigLIP's nn.MultiheadAttention projection): name -> why
-    kind_reasons: dict[str, str] | None = None
     # each parameter's shape in the model config.json describes, by checkpoint name
     shapes: dict[str, tuple[int, ...]] | None = None
+    # the linear layers whose weight the checkpoint stores [in, out] (transformers' Conv1D: GPT-2's): checkpoint
+    # name -> class name
+    transposed: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.parts_of: dict[str, list[str]] = {}
+        for part, (fused, _) in self.expert_parts.items():
+            self.parts_of.setdefault(fused, []).append(part)
+
+    def pattern_names(self, name: str) -> tuple[str, ...]:
+        """The names ``--exclude`` patterns see for the model's module ``name``: its own and its checkpoint
+        name; a fused experts weight's, its parts' names too."""
+        return (name, self.names.module(name), *self.parts_of.get(name, ()))
 
 
 class _StoredNames:
@@ -82,8 +95,8 @@ class _StoredNames:
 
 
 def linear_names(config_dir: Path, stored: set[str], trust_remote_code: bool = False) -> ModelLinears:
-    """The model's ``nn.Linear`` modules and fused experts, from a meta-device build of its class (``stored``:
-    the checkpoint's tensor names)."""
+    """A meta-device build of the model's class, with the checkpoint names of its linear layers and fused
+    experts' parts (``stored``: the checkpoint's tensor names)."""
     import transformers
 
     config = auto_config(config_dir, trust_remote_code)
@@ -91,31 +104,29 @@ def linear_names(config_dir: Path, stored: set[str], trust_remote_code: bool = F
         model = build_model(transformers, config, bare_fallback=True, trust_remote_code=trust_remote_code)
     names = CheckpointNames(model)
     in_checkpoint = _StoredNames(names, stored)
-    model_names, kind_reasons = {}, {}
-    linears = []
+    model_names = {}
+    linears, transposed = [], {}
     for name, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, torch.nn.Linear):
+        if is_linear_layer(m):
             linears.append(in_checkpoint.module(name))
             if linears[-1] != name:
                 model_names[linears[-1]] = name
-            if reason := linear_class_reason(m):
-                kind_reasons[linears[-1]] = reason
+            if is_transformers_conv1d(m):
+                transposed[linears[-1]] = type(m).__name__
     parts = {}
-    fused = find_fused_experts(model)
-    for item in fused:
+    for item in find_fused_experts(model, check_weights=False):
         for expert in names.expert_modules(item.name, item.module._parameters[item.attr].shape[0]) or ():
             parts.update((part, (item.name, expert)) for part in expert)
-    others = other_weight_kinds(model, {id(item.module._parameters[item.attr]) for item in fused})
     holders: dict[int, list[str]] = {}
     shapes = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(param), []).append(in_checkpoint.to_checkpoint(name))
         shapes[holders[id(param)][-1]] = tuple(param.shape)
     shared = {name: [n for n in group if n != name] for group in holders.values() if len(group) > 1 for name in group}
-    tied = _tied_head(model, in_checkpoint)
     return ModelLinears(
-        linears, parts, type(model).__name__, others, tied, shared, model_names, type(config), kind_reasons, shapes
-    )
+        model, in_checkpoint, linears, parts, type(model).__name__, _tied_head(model), shared, model_names,
+        type(config), shapes, transposed,
+    )  # fmt: skip
 
 
 def _check_against_config(found: ModelLinears, plan, directory: Path, weight_keys: dict[str, str]) -> None:
@@ -143,11 +154,10 @@ def _check_against_config(found: ModelLinears, plan, directory: Path, weight_key
             )
 
 
-def _tied_head(model: torch.nn.Module, names: _StoredNames) -> tuple[str, str, str | None] | None:
-    """(head, embedding, why not) when the model's output head shares its weight with modules kept in float
-    (its input embedding): their checkpoint names, and why ``qfp8.quantize`` would keep the head float rather
-    than tie the embedding to it as a QEmbedding (None: it would; T5's table, held by three embeddings, and
-    Gemma's scaled embedding keep it float). None when the head is tied to nothing."""
+def _tied_head(model: torch.nn.Module) -> tuple[str, str] | None:
+    """(head, embedding) model names when the model's output head shares its weight with modules kept in float
+    (its input embedding), whose table the checkpoint stores under either name or both; None when it is tied
+    to nothing. Whether it is quantized is the plan's to say."""
     try:
         head = model.get_output_embeddings()
     except (AttributeError, NotImplementedError):
@@ -157,14 +167,13 @@ def _tied_head(model: torch.nn.Module, names: _StoredNames) -> tuple[str, str, s
     others = tied_float_holders(model, [head]).get(id(head))
     if not others:
         return None
-    found = {id(m): name for name, m in model.named_modules()}
-    head_name, embedding_name = (names.module(n) for n in (found[id(head)], others[0]))
-    return head_name, embedding_name, untie_problem(dict(model.named_modules(remove_duplicate=False)), others, ())
+    return next(name for name, m in model.named_modules() if m is head), others[0]
 
 
-def _nothing_quantized(model: ModelLinears, reasons: dict[str, str], user_patterns: bool) -> str:
-    """Why no weight of ``model`` is quantized (``reasons``: why each of its Linears and expert parts is kept
-    in float), for the error that refuses to write such a checkpoint."""
+def _nothing_quantized(found: ModelLinears, kinds: list[str], reasons: dict[str, str], user_patterns: bool) -> str:
+    """Why no weight of the model is quantized (``reasons``: why each of its Linears and expert parts is kept
+    in float; ``kinds``: the classes of its other float matrix weights), for the error that refuses to write
+    such a checkpoint."""
     if not reasons:
         why = "it has no nn.Linear"
     else:
@@ -175,18 +184,15 @@ def _nothing_quantized(model: ModelLinears, reasons: dict[str, str], user_patter
         why = f"every nn.Linear of it is kept in float ({kept})"
         if user_patterns and all(reason.startswith("excluded by --exclude") for reason in reasons.values()):
             why += "; give --exclude patterns that leave some to quantize"
-    if model.other_kinds:  # GPT-2's Conv1D, for one
-        why += "; " + other_kinds_clause(model.other_kinds)
-    return f"nothing to quantize in {model.model_name}: {why}; no checkpoint written"
+    if kinds:
+        why += "; " + other_kinds_clause(kinds)
+    return f"nothing to quantize in {found.model_name}: {why}; no checkpoint written"
 
 
-def _experts_kept_float(scheme: QuantizationScheme, accuracy: str | None, rows: int, parts: int) -> str:
-    """Why the CLI keeps a fused experts weight (stored as ``parts`` parts of ``rows`` rows) in float ("" when
-    it quantizes it): what ``quantize`` refuses, and static scales, which layer-by-layer calibration does not
-    measure for experts."""
-    if scheme.activations == "static" or accuracy is not None:
-        return "layer-by-layer calibration does not run fused MoE experts (quantize and calibrate the model in memory)"
-    return scheme_reason(scheme, accuracy, rows * parts, parts)
+# Static scales and the accuracy modes are measured layer by layer, which does not run fused experts.
+CALIBRATED_EXPERTS_REASON = (
+    "layer-by-layer calibration does not run fused MoE experts (quantize and calibrate the model in memory)"
+)
 
 
 @dataclasses.dataclass
@@ -203,112 +209,128 @@ class LayerPlan:
     tied_embedding: str | None = None
     skipped: set[str] = dataclasses.field(default_factory=set)  # a stored name the table is not written under
     untied: bool = False  # both names stored with different tables: transformers does not tie them either
+    transposed: set[str] = dataclasses.field(default_factory=set)  # quantized layers stored [in, out] (Conv1D)
+    report: QuantizeReport = dataclasses.field(default_factory=QuantizeReport)  # as qfp8.quantize reports
 
 
 def plan_layers(found: ModelLinears, plan, checkpoint, scheme: QuantizationScheme, exclude, accuracy) -> LayerPlan:
-    """What :func:`qfp8.checkpoint.stream.stream_quantize` quantizes (warning, as it does, about ``exclude``
+    """What :func:`qfp8.checkpoint.stream.stream_quantize` quantizes: qfp8.quantize's plan of the meta-device
+    model, in the checkpoint's names, with what the files tell (warning, as quantize does, about ``exclude``
     patterns that match nothing, a tied head and experts kept float); a ValueError when that is nothing.
     Warnings name ``stream_quantize``'s caller."""
     user_patterns = exclude is not DEFAULT_EXCLUDE
-    exclude = exclude_patterns(exclude)
-    if user_patterns:
-        _warn_unmatched_patterns(found, exclude, checkpoint.config)
-    # A fused experts weight is quantized whole (qfp8 holds it with one scheme): a pattern matching its model
-    # name or any of its parts' checkpoint names (experts.3.w1) keeps all of it float.
-    excluded_fused = {
-        fused
-        for name, (fused, _) in found.expert_parts.items()
-        if excluded_by(name, exclude) or excluded_by(fused, exclude)
-    }
     by = "--exclude" if user_patterns else "the default --exclude"
     layers = LayerPlan(weight_keys={name: name + ".weight" for name in found.linears})
-    if found.tied is not None:
-        _plan_tied_head(layers, found.tied, plan, exclude, user_patterns, by)
+    tied_keys = _tied_table(layers, found, plan)
+    wording = PlanWording("qfp8 quantize", "--exclude", lambda pattern: f"excluded by {by} {pattern}")
+    decided = plan_quantization(
+        found.model, scheme, exclude_patterns(exclude), user_patterns, accuracy,
+        from_files=True, names=found.pattern_names, wording=wording,
+    )  # fmt: skip
+    for note in decided.notes:
+        if note.kind in STREAM_NOTES:
+            warnings.warn(note.text, stacklevel=3)
     _check_against_config(found, plan, checkpoint.directory, layers.weight_keys)
-    _plan_linears(layers, found, plan, scheme, exclude, by)
-    experts_reason = _plan_experts(layers, found, plan, scheme, accuracy, excluded_fused)
+    _plan_linears(layers, found, decided, plan, scheme)
+    experts_reason = _plan_experts(layers, found, decided, plan, scheme, accuracy)
+    if found.tied is not None and found.tied[0] in decided.ties:
+        head, embedding = (found.names.module(name) for name in found.tied)
+        if head in layers.quantized:
+            layers.tied_head, layers.tied_embedding = head, embedding
+            layers.skipped.update(tied_keys[1:])  # stored twice (equal): written once, as the head's rows
     if not layers.quantized:  # a float checkpoint labelled compressed-tensors, with no scheme: refused before any work
-        raise ValueError(f"{checkpoint.directory}: {_nothing_quantized(found, layers.reasons, user_patterns)}")
+        fused = {item.name.rpartition(".")[0] for _, item in decided.experts}
+        kinds = sorted({other.kind for other in decided.report.others if other.name not in fused})
+        why = _nothing_quantized(found, kinds, layers.reasons, user_patterns)
+        raise ValueError(f"{checkpoint.directory}: {why}")
     if experts_reason:
         warnings.warn(f"qfp8 quantize: fused MoE experts are kept in float: {experts_reason}", stacklevel=3)
+    layers.report = _report(layers)
     return layers
 
 
-def _warn_unmatched_patterns(found: ModelLinears, exclude, config: dict) -> None:
-    fused_names = sorted({fused for fused, _ in found.expert_parts.values()})
-    tied_names = [found.tied[1]] if found.tied else []  # a pattern naming a tied embedding acts on its head
-    for note in unmatched_exclude_notes(
-        exclude,
-        [*found.linears, *found.expert_parts, *fused_names, *tied_names],
-        config.get("model_type", "the model"),
-        "qfp8 quantize",
-    ):
-        warnings.warn(note, stacklevel=4)
+def _report(layers: LayerPlan) -> QuantizeReport:
+    """The plan as qfp8.quantize reports one: an entry per linear layer (expert part) of the checkpoint, its shape
+    [out, in], its scheme or why it stays float."""
+    report = QuantizeReport()
+    for name, (scheme, shape) in layers.layers.items():
+        out_features, in_features = shape if shape is not None and len(shape) == 2 else (0, 0)
+        entry = ReportEntry(
+            name, in_features, out_features, quantized=scheme is not None, reason=layers.reasons.get(name, "")
+        )
+        entry.scheme = scheme.describe() if scheme is not None else ""
+        report.entries.append(entry)
+    return report
 
 
-def _plan_tied_head(layers: LayerPlan, tied, plan, exclude, user_patterns: bool, by: str) -> None:
-    """A head tied to its embedding: one table, stored under either name (or both, equal). Quantized, the
-    head is written from it and the embedding as its dequantized rows (see qfp8.nn.embedding), as
-    qfp8.quantize + save_pretrained do; kept float where quantize keeps it float."""
-    head, embedding, why = tied
+def _tied_table(layers: LayerPlan, found: ModelLinears, plan) -> list[str]:
+    """Where a tied head's table is stored (one table, under either name, or both, equal): the head's weight is
+    read from there; returns those keys. Two different tables under the two names are untied in the model
+    before it is planned, as transformers does not tie them either."""
+    if found.tied is None:
+        return []
+    head, embedding = (found.names.module(name) for name in found.tied)
     keys = [key for key in (head + ".weight", embedding + ".weight") if key in plan.tensors]
     if len(keys) == 2 and not torch.equal(plan.load(keys[0], mmap=True), plan.load(keys[1], mmap=True)):
         layers.untied = True
-        return
+        module = found.model.get_submodule(found.tied[0])
+        module.weight = torch.nn.Parameter(torch.empty_like(module.weight), requires_grad=False)
+        return []
     layers.weight_keys[head] = keys[0] if keys else ""
-    if why is None and (pattern := excluded_by(embedding, exclude)):
-        why = f"excluded by {by} {pattern}"
-    elif why is None and not user_patterns:
-        why = DEFAULT_KEEPS_TIED.replace("default exclude", "default --exclude")
-    if why is not None:
-        layers.reasons[head] = f"tied to {embedding} ({why})"
-        return
-    layers.tied_head, layers.tied_embedding = head, embedding
-    layers.skipped.update(keys[1:])  # stored twice (equal): written once, as the head's rows
-    if exclude and not excluded_by(head, exclude):  # a bare --exclude asks for everything
-        warnings.warn(tied_head_note(head, embedding, "qfp8 quantize", "--exclude"), stacklevel=4)
+    return keys
 
 
-def _plan_linears(layers: LayerPlan, found: ModelLinears, plan, scheme: QuantizationScheme, exclude, by: str) -> None:
+def _plan_linears(layers: LayerPlan, found: ModelLinears, decided: QuantizePlan, plan, scheme) -> None:
+    """The plan's decision for each linear layer, under its checkpoint name, unless the file keeps it float."""
+    entries = {}
+    for entry in decided.report.entries:
+        if not entry.experts:
+            entries.update((found.names.module(name), entry) for name in [entry.name, *entry.aliases])
     reasons = layers.reasons
     for name in found.linears:
         stored = plan.tensors.get(layers.weight_keys[name])
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
-        pattern = excluded_by(name, exclude)
-        gate = float_linear_reason(name) or found.kind_reasons.get(name)  # a MoE gate, MHA: float, as in quantize
-        if stored is None or pattern or gate or len(shape) != 2 or name in reasons:
-            layers.ignored.append(name)  # excluded, or tied to another tensor and not stored
+        if shape is not None and name in found.transposed:  # a Conv1D's weight, stored [in, out]
+            shape = shape[::-1]
+        reason = (
+            entries[name].reason if not entries[name].quantized
+            else "not stored in the checkpoint (tied to another tensor)" if stored is None
+            else f"stored as a {len(shape)}-D tensor" if len(shape) != 2
+            else ""
+        )  # fmt: skip
+        if reason:
+            layers.ignored.append(name)
             layers.layers[name] = (None, shape)
-            reasons[name] = (
-                f"excluded by {by} {pattern}" if pattern
-                else gate if gate
-                else reasons[name] if name in reasons
-                else "not stored in the checkpoint (tied to another tensor)" if stored is None
-                else f"stored as a {len(shape)}-D tensor"
-            )  # fmt: skip
+            reasons[name] = reason
             continue
         if not stored.file.info(stored.name).dtype.is_floating_point:
             raise ValueError(f"{stored.file.path}: {stored.name} is {stored.file.info(stored.name).dtype}, not float")
+        if name in found.transposed:  # written as a QLinear's weight: [out, in]
+            layers.transposed.add(name)
         layers.quantized[name] = scheme
         layers.layers[name] = (scheme, shape)
 
 
-def _plan_experts(
-    layers: LayerPlan, found: ModelLinears, plan, scheme: QuantizationScheme, accuracy, excluded_fused: set[str]
-) -> str:
-    """Plans the fused experts' parts; returns why some are kept in float ("" when none is)."""
+def _plan_experts(layers: LayerPlan, found: ModelLinears, decided: QuantizePlan, plan, scheme, accuracy) -> str:
+    """The plan's decision for each fused experts weight, applied to its parts as the checkpoint stores them;
+    returns why some are kept in float ("" when none is, or only by ``--exclude``)."""
+    entries = {entry.name: entry for entry, _ in decided.experts}
+    calibrated = scheme.activations == "static" or accuracy is not None
     experts_reason = ""
-    for name, (fused, siblings) in found.expert_parts.items():
+    for name, (fused, _) in found.expert_parts.items():
         stored = plan.tensors.get(name + ".weight")
         shape = None if stored is None else tuple(stored.file.info(stored.name).shape)
+        excluded = fused in decided.excluded
         reason = (
             f"the checkpoint stores them fused, as {fused} (transformers 5's model names); qfp8 quantize reads "
             "experts stored one by one (transformers' own save). Quantize the model in memory instead "
             "(qfp8.quantize + qfp8.save_pretrained)" if stored is None and fused in plan.tensors
             else "missing or not 2-D" if shape is None or len(shape) != 2
-            else _experts_kept_float(scheme, accuracy, shape[0], len(siblings))
+            else "" if excluded
+            else CALIBRATED_EXPERTS_REASON if calibrated
+            else entries[fused].reason
         )  # fmt: skip
-        if reason or fused in excluded_fused:
+        if reason or excluded:
             experts_reason = experts_reason or reason
             layers.ignored.append(name)
             layers.layers[name] = (None, shape)

@@ -54,6 +54,7 @@ __all__ = [
     "check_output_directory",
     "kv_rounding_file",
     "model_config_dict",
+    "converted_layers",
     "model_layers",
     "model_quantization_config",
     "parse_size",
@@ -279,6 +280,17 @@ def model_layers(model: nn.Module, model_names: dict[str, str] | None = None) ->
         count, out_features, in_features = item.module._parameters[item.attr].shape
         add_experts(item.name, None, count, out_features, in_features)
     return layers
+
+
+def converted_layers(model: nn.Module) -> dict[str, str]:
+    """Each QLinear of ``model`` that stands for a layer of another class (GPT-2's Conv1D), under its checkpoint
+    name: that class's name."""
+    names = CheckpointNames(model)
+    return {
+        names.to_checkpoint(name): module.converted_from
+        for name, module in model.named_modules()
+        if isinstance(module, QLinear) and module.converted_from
+    }
 
 
 def model_quantization_config(
@@ -581,7 +593,8 @@ def save_pretrained(
     # checkpoint could not be loaded) and an accuracy-mode layer would ship
     # its round-to-nearest weights.
     check_calibrated(model, "save_pretrained")
-    for message in compat.save_warnings(layers, getattr(model, "qfp8_kv_cache_dtype", None)):
+    converted = converted_layers(model)
+    for message in compat.save_warnings(layers, getattr(model, "qfp8_kv_cache_dtype", None), converted):
         warnings.warn(message, UserWarning, stacklevel=2)
     if config["quantization_config"]["kv_cache_scheme"] and config["quantization_config"]["kv_cache_scheme"]["dynamic"]:
         warnings.warn(

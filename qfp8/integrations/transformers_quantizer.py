@@ -37,15 +37,10 @@ from qfp8.checkpoint.readers import open_checkpoint
 from qfp8.integrations.transformers import Qfp8Config
 from qfp8.library import memory
 from qfp8.nn import QLinear
+from qfp8.nn.conv import is_linear_layer, is_transformers_conv1d
 from qfp8.nn.experts import find_fused_experts
-from qfp8.quantize import (
-    QuantizeReport,
-    ReportEntry,
-    _set_up_attention,
-    excluded_by,
-    float_linear_reason,
-    linear_class_reason,
-)
+from qfp8.quantize import QuantizeReport, _set_up_attention
+from qfp8.quantize_plan import DEFAULT_EXCLUDE, PlanWording, exclude_patterns, plan_quantization
 
 __all__ = [
     "LATE_PLACEMENT",
@@ -130,26 +125,8 @@ class Qfp8HfQuantizer(HfQuantizer):
             model._keys_to_ignore_on_load_unexpected = {".*"} if LATE_PLACEMENT else [".*"]
             return model
         config = self.quantization_config
-        patterns = config.exclude_argument()
-        patterns = () if patterns is None else tuple(patterns)
-        tied = _tied_output_linear(model)
-        seen: dict[int, str] = {}
-        for name, module in model.named_modules(remove_duplicate=False):
-            if not isinstance(module, nn.Linear) or config.weights is None:
-                continue
-            if id(module) in seen:
-                if seen[id(module)] in self.targets:
-                    self.targets[seen[id(module)]].append(name)
-                continue
-            seen[id(module)] = name
-            reason = _skip_reason(name, module, patterns, tied, model)
-            self.report.entries.append(
-                ReportEntry(
-                    name, module.in_features, module.out_features, quantized=reason is None, reason=reason or ""
-                )
-            )
-            if reason is None:
-                self.targets[name] = [name]
+        if config.weights is not None:
+            self._plan(model)
         experts = [item.name for item in find_fused_experts(model)]
         if experts and config.weights is not None:
             warnings.warn(
@@ -159,6 +136,27 @@ class Qfp8HfQuantizer(HfQuantizer):
                 stacklevel=2,
             )
         return model
+
+    def _plan(self, model) -> None:
+        """The layers to quantize as they are read: qfp8.quantize's plan of the model (transformers builds it on
+        the meta device), less what loading keeps float (:func:`_loading_reason`) and the fused experts."""
+        config = self.quantization_config
+        exclude = config.exclude_argument()
+        user_patterns = exclude is not DEFAULT_EXCLUDE
+        scheme, patterns = config.scheme(), exclude_patterns(exclude)
+        decided = plan_quantization(
+            model, scheme, patterns, user_patterns, config.accuracy, from_files=True, wording=PlanWording("Qfp8Config")
+        )
+        tied = _tied_output_linear(model)
+        for entry in decided.report.entries:
+            module = decided.modules[entry.name]
+            if entry.experts or not is_linear_layer(module):  # experts load in float (warned); no convolution
+                continue
+            entry.reason = entry.reason or _loading_reason(entry.name, module, tied, model) or ""
+            entry.quantized = not entry.reason
+            self.report.entries.append(entry)
+            if entry.quantized:
+                self.targets[entry.name] = [entry.name, *entry.aliases]
 
     def _open_checkpoint(self, model, checkpoint_files) -> None:
         """Reads the checkpoint's headers and plan (no tensor data), checking what this config asks of it."""
@@ -238,10 +236,14 @@ class Qfp8HfQuantizer(HfQuantizer):
         linear = model.get_submodule(name)
         dtype = linear.weight.dtype if _is_float_dtype(linear.weight.dtype) else value.dtype
         weight = value.detach().to(dtype)
+        if is_transformers_conv1d(linear):  # GPT-2's layers store [in, out]: a QLinear holds [out, in]
+            weight = weight.t()
         bias = linear.bias if linear.bias is not None else None
         qlinear = QLinear.from_weight(
             weight, bias, self.quantization_config.scheme(), name, self.quantization_config.accuracy, label=name
         )
+        if is_transformers_conv1d(linear):
+            qlinear.converted_from = type(linear).__name__
         if LATE_PLACEMENT:
             self.quantized[name] = qlinear
         else:
@@ -364,11 +366,9 @@ def _tied_output_linear(model) -> int | None:
     return None
 
 
-def _skip_reason(name: str, module: nn.Linear, patterns, tied: int | None, model) -> str | None:
-    if pattern := excluded_by(name, patterns):
-        return f"excluded by pattern {pattern!r}"
-    if reason := float_linear_reason(name) or linear_class_reason(module):
-        return reason
+def _loading_reason(name: str, module: nn.Module, tied: int | None, model) -> str | None:
+    """Why a layer qfp8.quantize's plan quantizes stays float when transformers loads the model: a tied output
+    layer (qfp8.quantize ties an FP8 table, loading does not), ``_keep_in_fp32_modules``, a non-float weight."""
     if id(module) == tied:
         return "weight tied to the input embedding (kept in float; qfp8.quantize can tie an FP8 table)"
     keep = getattr(model, "_keep_in_fp32_modules", None) or []

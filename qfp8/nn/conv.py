@@ -47,11 +47,14 @@ __all__ = [
     "QConv1d",
     "QConv2d",
     "QConvNd",
+    "conv1d_class_reason",
     "conv_skeleton",
     "convolution_class_reason",
     "convolution_reason",
     "is_convolution",
+    "is_linear_layer",
     "is_transformers_conv1d",
+    "linear_features",
     "linear_from_conv1d",
     "quantize_convolution",
     "quantizes_convolutions",
@@ -411,7 +414,33 @@ def quantize_convolution(
 
 def is_transformers_conv1d(module: nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2's linear layers, weight ``[in, out]``), which is no convolution."""
-    return any(cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__)
+    return _transformers_conv1d_class(module) is not None
+
+
+def _transformers_conv1d_class(module: nn.Module) -> type | None:
+    return next(
+        (c for c in type(module).__mro__ if c.__name__ == "Conv1D" and c.__module__.startswith("transformers.")), None
+    )
+
+
+def conv1d_class_reason(module: nn.Module) -> str | None:
+    """Why ``quantize`` keeps a transformers ``Conv1D`` float whatever its weight: a subclass with its own forward."""
+    base = _transformers_conv1d_class(module)
+    return f"{type(module).__name__} has its own forward" if type(module).forward is not base.forward else None
+
+
+def is_linear_layer(module: nn.Module) -> bool:
+    """A layer ``quantize`` replaces by a QLinear: an ``nn.Linear``, or transformers' ``Conv1D`` (a linear layer
+    whose weight is stored ``[in, out]``)."""
+    return isinstance(module, nn.Linear) or is_transformers_conv1d(module)
+
+
+def linear_features(module: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of a linear layer (:func:`is_linear_layer`)."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    in_features, out_features = module.weight.shape
+    return in_features, out_features
 
 
 def conv_skeleton(module: nn.Module, scheme: QuantizationScheme, name: str) -> QLinear | None:
@@ -420,6 +449,7 @@ def conv_skeleton(module: nn.Module, scheme: QuantizationScheme, name: str) -> Q
     if is_transformers_conv1d(module):
         in_features, out_features = module.weight.shape
         skeleton = QLinear(in_features, out_features, module.bias is not None, scheme, module.weight.dtype, "meta")
+        skeleton.converted_from = type(module).__name__
     elif is_convolution(module):
         qclass = next(q for base, q in QCONV_CLASSES.items() if isinstance(module, base))
         skeleton = qclass(
@@ -442,7 +472,9 @@ def linear_from_conv1d(module: nn.Module, scheme: QuantizationScheme, name: str 
     if not is_transformers_conv1d(module):
         raise TypeError(f"linear_from_conv1d takes transformers' Conv1D, got {type(module).__name__}")
     weight = module.weight
-    return QLinear.from_weight(weight.t(), module.bias, scheme, name or repr(module), accuracy, label=name or None)
+    qlinear = QLinear.from_weight(weight.t(), module.bias, scheme, name or repr(module), accuracy, label=name or None)
+    qlinear.converted_from = type(module).__name__
+    return qlinear
 
 
 def quantizes_convolutions(model: nn.Module) -> bool:

@@ -285,12 +285,13 @@ class FusedExperts(NamedTuple):
     reason: str  # why it cannot be quantized ("" when it can)
 
 
-def find_fused_experts(model: nn.Module) -> list[FusedExperts]:
+def find_fused_experts(model: nn.Module, check_weights: bool = True) -> list[FusedExperts]:
     """Every 3-D float parameter of a transformers experts module (``@use_experts_implementation``).
 
     Quantizable are the layouts whose eager forward computes
     ``F.linear(x, param[e])``: not transposed, no bias, gate and up
-    concatenated (not interleaved).
+    concatenated (not interleaved). ``check_weights=False`` judges the layout
+    only (a meta-device build whose weights a checkpoint holds).
     """
     found = []
     for module_name, module in model.named_modules():
@@ -310,6 +311,8 @@ def find_fused_experts(model: nn.Module) -> list[FusedExperts]:
                 reason = f"{type(module).__name__} has expert biases"
             elif attr == "gate_up_proj" and not getattr(module, "is_concatenated", True):
                 reason = f"{type(module).__name__} interleaves gate and up rows"
+            elif not check_weights:
+                pass
             elif not param.is_floating_point() or param.dtype.itemsize == 1:
                 reason = f"weight dtype {param.dtype} is not a float format"
             elif param.device.type == "meta":

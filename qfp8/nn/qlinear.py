@@ -187,6 +187,9 @@ class QLinear(QLinearStateMixin, QLinearCalibrationMixin, QLinearChecksMixin, nn
         # Where the layer sits, for error messages, when no module path names it (a fused MoE expert:
         # "model.layers.0.mlp.experts.gate_up_proj[3]").
         self.label: str | None = None
+        # The class of the layer it stands for when that was no nn.Linear (transformers' Conv1D, weight stored
+        # [in, out] there): its checkpoint holds the [out, in] weight, which only qfp8 reads as that layer.
+        self.converted_from: str | None = None
         self.hessian: torch.Tensor | None = None
         self._use_kernel(REFERENCE_KERNEL)
 

@@ -199,3 +199,30 @@ def test_the_cli_says_why_experts_stored_fused_under_the_model_names_stay_float(
         stream_quantize(tmp_path / "float", tmp_path / "fp8", progress=False)
     loaded = qfp8.from_pretrained(tmp_path / "fp8")
     assert sum(isinstance(m, qfp8.QLinear) for m in loaded.modules()) == 4  # q, k, v, o: the experts stay float
+
+
+@pytest.mark.parametrize(
+    "pattern", ["model.language_model.layers.0.*", "language_model.model.layers.0.*"], ids=["model-name", "stored-name"]
+)
+def test_the_cli_excludes_what_quantize_excludes_by_the_model_or_the_checkpoint_name(tiny_llava, tmp_path, pattern):
+    """qfp8 quantize plans with quantize's planner on the model's names: a pattern written with the model's names
+    (as for qfp8.quantize) or the checkpoint's acts alike, and the checkpoint equals quantize + save_pretrained's."""
+    from qfp8.checkpoint.stream import stream_quantize
+
+    tiny_llava(dtype=torch.bfloat16).save_pretrained(tmp_path / "float")
+    summary = stream_quantize(tmp_path / "float", tmp_path / "stream", exclude=["lm_head", pattern], progress=False)
+    skipped = {entry.name for entry in summary["report"].skipped}
+    assert skipped == {"language_model.lm_head", *(f"language_model.model.layers.0.{n}" for n in SEVEN_PROJECTIONS)}
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "float")
+    qfp8.quantize(model, exclude=["lm_head", "model.language_model.layers.0.*"])
+    qfp8.save_pretrained(model, tmp_path / "memory")
+    streamed, saved = (
+        load_file(tmp_path / "stream" / "model.safetensors"),
+        load_file(tmp_path / "memory" / "model.safetensors"),
+    )
+    assert streamed.keys() == saved.keys()
+    assert all(torch.equal(streamed[k].view(torch.uint8), saved[k].view(torch.uint8)) for k in saved)
+    assert quantization_config(tmp_path / "stream") == quantization_config(tmp_path / "memory")
+
+
+SEVEN_PROJECTIONS = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
