@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from qfp8.checkpoint import config as qconfig
+from qfp8.checkpoint import reader_rules
 from qfp8.nn.scheme import QuantizationScheme
 
 __all__ = [
@@ -158,8 +159,8 @@ def vllm_cpu_problems(layers: dict[str, qconfig.Layer]) -> list[str]:
             continue
         where = ONLY_ON.get(verdict.serves, "no")
         message = f"{verdict.label}: {where}; {verdict.why}. For vLLM's CPU engine use {verdict.remedy}"
-        found.setdefault(message, []).append(qconfig._name_pattern(name))
-    return qconfig._problem_lines(found)
+        found.setdefault(message, []).append(reader_rules.name_pattern(name))
+    return reader_rules.problem_lines(found)
 
 
 def serves_on(layers: dict[str, qconfig.Layer], qfp8_only: bool, fp8_kv_cache: bool = False) -> dict[str, str]:
@@ -171,14 +172,14 @@ def serves_on(layers: dict[str, qconfig.Layer], qfp8_only: bool, fp8_kv_cache: b
     cpu = {VLLM_CPU[cpu_kind(scheme)].serves for scheme, _ in layers.values() if scheme is not None}
     if fp8_kv_cache:
         cpu.add(VLLM_CPU_KV_CACHE.serves)
-    vllm_gpu = not qconfig.vllm_incompatibilities(layers)
+    vllm_gpu = not reader_rules.vllm_incompatibilities(layers)
     if "no" in cpu or not vllm_gpu:
         on_cpu = "no"
     else:
         on_cpu = next((ONLY_ON[need] for need in (AMX, AVX512) if need in cpu), "yes")  # AMX has AVX-512
     return {
         "qfp8": "yes",
-        "transformers": "no" if qconfig.transformers_incompatibilities(layers) else "yes",
+        "transformers": "no" if reader_rules.transformers_incompatibilities(layers) else "yes",
         "vLLM GPU": "yes" if vllm_gpu else "no",
         "vLLM CPU": on_cpu,
     }
@@ -187,10 +188,10 @@ def serves_on(layers: dict[str, qconfig.Layer], qfp8_only: bool, fp8_kv_cache: b
 def save_warnings(
     layers: dict[str, qconfig.Layer], kv_cache_dtype: torch.dtype | None, converted: dict[str, str] | None = None
 ) -> list[str]:
-    """:func:`qconfig.save_warnings`, and what vLLM's CPU engine cannot run of a checkpoint the others read.
+    """:func:`reader_rules.save_warnings`, and what vLLM's CPU engine cannot run of a checkpoint the others read.
     ``converted``: quantized layer -> the class it stands for when that is no nn.Linear (GPT-2's Conv1D)."""
     schemes = {name: scheme for name, (scheme, _) in layers.items() if scheme is not None}
-    messages = qconfig.save_warnings(layers, kv_cache_dtype)
+    messages = reader_rules.save_warnings(layers, kv_cache_dtype)
     if qconfig.qfp8_only_reasons(schemes, kv_cache_dtype):
         return messages
     if converted:
@@ -208,7 +209,7 @@ def converted_layers_warning(converted: dict[str, str]) -> str:
     """The warning for a checkpoint whose quantized linear layers stand for layers of another class (``converted``:
     name -> class, transformers' Conv1D), which qfp8 writes as linear layers ([out, in] FP8 weight)."""
     kinds = sorted(set(converted.values()))
-    names = list(dict.fromkeys(qconfig._name_pattern(name) for name in converted))
+    names = list(dict.fromkeys(reader_rules.name_pattern(name) for name in converted))
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
     leaves = list(dict.fromkeys(name.rpartition(".")[2] for name in names))
     return (

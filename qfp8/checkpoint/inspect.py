@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from qfp8.checkpoint import compat
+from qfp8.checkpoint import compat, reader_rules
 from qfp8.checkpoint import config as qconfig
 from qfp8.checkpoint.readers import open_checkpoint
 
@@ -46,7 +46,7 @@ def vllm_notes(plan) -> list[str]:
         ]
     if plan.format != "compressed-tensors":
         return []
-    return qconfig.vllm_incompatibilities(_layers(plan))
+    return reader_rules.vllm_incompatibilities(_layers(plan))
 
 
 def serves_on(plan) -> dict[str, str]:

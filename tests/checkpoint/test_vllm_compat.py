@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import qfp8
-from qfp8.checkpoint import config as qconfig
+from qfp8.checkpoint import reader_rules
 from qfp8.checkpoint.inspect import describe
 from qfp8.checkpoint.stream import stream_quantize
 from qfp8.nn.scheme import QuantizationScheme
@@ -260,12 +260,12 @@ def test_vllm_incompatibilities_rules():
         "o_proj": (block, (256, 256)),
         "lm_head": (None, (1000, 256)),
     }
-    assert qconfig.vllm_incompatibilities(layers) == []
+    assert reader_rules.vllm_incompatibilities(layers) == []
     layers["attn.k_proj"] = (block, (96, 256))
-    (problem,) = qconfig.vllm_incompatibilities(layers)
+    (problem,) = reader_rules.vllm_incompatibilities(layers)
     assert problem.startswith("attn.qkv_proj (1 module): k_proj N = 96 is not a multiple of block_n = 128")
     layers["attn.k_proj"] = (None, (96, 256))
-    (problem,) = qconfig.vllm_incompatibilities(layers)
+    (problem,) = reader_rules.vllm_incompatibilities(layers)
     assert "k_proj ignored" in problem
 
 
@@ -391,7 +391,7 @@ def test_vllm_fused_moe_w8a8_pairings():
     refused = {}
     for weight_scale, activations, activation_scale in MOE_PAIRINGS:
         scheme = QuantizationScheme.from_args("float8_e4m3fn", weight_scale, activations, activation_scale)
-        problems = qconfig.vllm_incompatibilities(expert_layers(scheme))
+        problems = reader_rules.vllm_incompatibilities(expert_layers(scheme))
         refused[(weight_scale, activations, activation_scale)] = bool(problems)
         for problem in problems:
             assert problem.startswith(f"model.layers.*.mlp.experts (1 module): MoE experts with {weight_scale} weight")
@@ -402,7 +402,7 @@ def test_vllm_fused_moe_w8a8_pairings():
 def test_block_experts_whose_gate_up_rows_are_not_a_multiple_of_block_n_warn():
     scheme = QuantizationScheme.from_args("float8_e4m3fn", "block", "dynamic", "group", block_size=(128, 128))
     layers = {k: v for k, v in expert_layers(scheme, n=192).items() if "o_proj" not in k}
-    problems = qconfig.vllm_incompatibilities(layers)
+    problems = reader_rules.vllm_incompatibilities(layers)
     assert any("down_proj (2 modules): K = 192 is not a multiple" in p for p in problems)  # the dense rule
     (problem,) = [p for p in problems if "MoE" in p]
     assert problem.startswith("model.layers.*.mlp.experts (1 module): MoE experts' gate/up N = 192 is not a multiple")
@@ -419,9 +419,9 @@ def test_experts_of_a_layer_not_quantized_alike_warn(tmp_path):
     # Rules level: one expert's part ignored is enough.
     scheme = QuantizationScheme.from_args("float8_e4m3fn", "channel", "dynamic", "token")
     layers = expert_layers(scheme)
-    assert qconfig.vllm_incompatibilities(layers) == []
+    assert reader_rules.vllm_incompatibilities(layers) == []
     layers["model.layers.0.mlp.experts.1.up_proj"] = (None, (128, 128))
-    (problem,) = qconfig.vllm_incompatibilities(layers)
+    (problem,) = reader_rules.vllm_incompatibilities(layers)
     assert "(1 of 6 expert parts ignored; ignored, w-e4m3fn-channel a-dynamic-token)" in problem
 
 
@@ -445,18 +445,18 @@ def test_experts_named_otherwise_under_several_schemes_warn():
     channel = QuantizationScheme.from_args("float8_e4m3fn", "channel", "dynamic", "token")
     tensor = QuantizationScheme.from_args("float8_e4m3fn", "tensor", "static", "tensor")
     mixtral = expert_layers(channel, parts=("w1", "w3", "w2"))
-    assert qconfig.vllm_incompatibilities(mixtral) == []  # one scheme: the 'Linear' target reaches FusedMoE
+    assert reader_rules.vllm_incompatibilities(mixtral) == []  # one scheme: the 'Linear' target reaches FusedMoE
     mixtral["model.layers.0.self_attn.o_proj"] = (tensor, (64, 64))
-    (problem,) = qconfig.vllm_incompatibilities(mixtral)
+    (problem,) = reader_rules.vllm_incompatibilities(mixtral)
     assert "MoE experts named w1/w2/w3 in a checkpoint with several schemes" in problem
     assert "builds the layer unquantized and its loader fails on the experts' weight_scale" in problem
     named = expert_layers(channel)
     named["model.layers.0.self_attn.o_proj"] = (tensor, (64, 64))
-    assert qconfig.vllm_incompatibilities(named) == []
+    assert reader_rules.vllm_incompatibilities(named) == []
     # Float experts under several schemes: no target, so vLLM builds them unquantized, as stored.
     mixtral = {k: (None if ".experts." in k else v, shape) for k, (v, shape) in mixtral.items()}
     mixtral["model.layers.0.self_attn.q_proj"] = (channel, (64, 64))
-    assert qconfig.vllm_incompatibilities(mixtral) == []
+    assert reader_rules.vllm_incompatibilities(mixtral) == []
 
 
 def test_qwen2_moe_shared_expert_gate_stays_float(tiny, tmp_path):
@@ -485,7 +485,7 @@ def test_qwen2_moe_shared_expert_gate_stays_float(tiny, tmp_path):
     assert tiny.tensors(tmp_path / "cli").keys() == stored.keys()
     # A quantized one (an older qfp8 checkpoint, another tool) is what vLLM refuses.
     scheme = QuantizationScheme.from_args("float8_e4m3fn", "channel", "dynamic", "token")
-    (problem,) = qconfig.vllm_incompatibilities({"model.layers.0.mlp.shared_expert_gate": (scheme, (1, 64))})
+    (problem,) = reader_rules.vllm_incompatibilities({"model.layers.0.mlp.shared_expert_gate": (scheme, (1, 64))})
     assert problem.startswith("model.layers.*.mlp.shared_expert_gate (1 module): a quantized shared_expert_gate")
     assert "plain torch.nn.Linear" in problem and "weight_scale (KeyError)" in problem
 
