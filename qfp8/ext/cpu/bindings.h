@@ -38,6 +38,9 @@ struct IsaEntry {
   LinearTilesFn fn;  // null when not compiled into this build
   bool (*cpu_has)();
   LinearPrepareFn prepare;  // once per call, before the threads (kernel.h); null for none
+  // The preparation from a convolution's patches read in place (kernel.h's
+  // PatchRows); null for an ISA that takes them as a dense [M][K] matrix.
+  LinearPrepareFn prepare_patches;
   const IsaHelpers* helpers;
 };
 
@@ -73,6 +76,22 @@ at::Tensor scaled_linear_cpu(const at::Tensor& x, const at::Tensor& packed, cons
                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale,
                              int64_t out_features, int64_t in_features, at::IntArrayRef block_size,
                              c10::string_view activation, at::ScalarType activation_dtype);
+
+// A convolution's patch matrix (conv.cpp) as the activations of a linear
+// call: read in place (PatchRows into `input`) by an ISA with a patch
+// preparation step, else gathered into a dense [M][K] matrix by dense().
+struct ConvPatches {
+  at::Tensor input;  // the zero-padded channels-last input, contiguous
+  PatchRows rows;
+  int64_t M;
+  at::Tensor dense() const;  // [M][K] in input's dtype
+};
+
+// scaled_linear_cpu's computation into out [M][N] on the patches x.
+void scaled_linear_patches_into(at::Tensor& out, const ConvPatches& x, const at::Tensor& packed,
+                                const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& input_scale, int64_t N, int64_t K,
+                                at::IntArrayRef block_size, Activation mode, at::ScalarType activation_dtype);
 
 // AOTInductor's proxy executor hands an op an empty list argument as None;
 // this puts the empty list back on the stack (linear.cpp).
