@@ -34,7 +34,7 @@ namespace {
 // prefill's layers reuse two to four buffers instead of mapping new memory
 // at every call. What stays cached is held until the thread ends: at most
 // 256 MB (a 2048-token W8A8 call of a 14336-wide layer needs 117 MB).
-constexpr size_t kCachedScratchBuffers = 4;
+constexpr size_t kCachedScratchBuffers = 8;
 constexpr size_t kCachedScratchBytes = size_t(256) << 20;
 
 struct ScratchCache {

@@ -22,6 +22,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cstdint>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <vector>
 
 #include "bindings.h"
@@ -55,6 +59,31 @@ namespace {
 constexpr const char* kOp = "qfp8::scaled_conv_cpu";
 constexpr int64_t kBlock = 16;  // transposes go in kBlock x kBlock blocks
 
+#if defined(__SSE2__)
+// dst[j * ld + i] = src[i * si + j] for i, j < 8, 16-bit values: three rounds of unpacks (SSE2, every x86-64).
+inline void transpose8x8(uint16_t* dst, int64_t ld, const uint16_t* src, int64_t si) {
+  __m128i r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * si));
+  for (int i = 0; i < 8; i += 2) {
+    t[i / 2] = _mm_unpacklo_epi16(r[i], r[i + 1]);      // columns 0-3 of rows i, i + 1
+    t[4 + i / 2] = _mm_unpackhi_epi16(r[i], r[i + 1]);  // columns 4-7
+  }
+  for (int h = 0; h < 8; h += 4) {  // h = 0: columns 0-3, h = 4: columns 4-7
+    r[h] = _mm_unpacklo_epi32(t[h], t[h + 1]);          // rows 0-3, columns h, h + 1
+    r[h + 1] = _mm_unpackhi_epi32(t[h], t[h + 1]);      // rows 0-3, columns h + 2, h + 3
+    r[h + 2] = _mm_unpacklo_epi32(t[h + 2], t[h + 3]);  // rows 4-7, columns h, h + 1
+    r[h + 3] = _mm_unpackhi_epi32(t[h + 2], t[h + 3]);  // rows 4-7, columns h + 2, h + 3
+  }
+  for (int h = 0; h < 8; h += 4) {
+    for (int q = 0; q < 2; ++q) {  // columns h + 2q and h + 2q + 1
+      uint16_t* out = dst + (h + 2 * q) * ld;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi64(r[h + q], r[h + 2 + q]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + ld), _mm_unpackhi_epi64(r[h + q], r[h + 2 + q]));
+    }
+  }
+}
+#endif
+
 // dst[j * ld + i] = src[i * si + j * sj] for i < rows, j < cols.
 template <typename T>
 void transpose_into(T* dst, int64_t ld, const T* src, int64_t si, int64_t sj, int64_t rows, int64_t cols) {
@@ -62,15 +91,33 @@ void transpose_into(T* dst, int64_t ld, const T* src, int64_t si, int64_t sj, in
     for (int64_t j = 0; j < cols; ++j) std::memcpy(dst + j * ld, src + j * sj, rows * sizeof(T));
     return;
   }
-  for (int64_t i0 = 0; i0 < rows; i0 += kBlock) {
-    const int64_t i1 = std::min(i0 + kBlock, rows);
-    for (int64_t j0 = 0; j0 < cols; j0 += kBlock) {
-      const int64_t j1 = std::min(j0 + kBlock, cols);
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int64_t i = i0; i < i1; ++i) dst[j * ld + i] = src[i * si + j * sj];
+  int64_t whole_i = 0, whole_j = 0;  // the 8 x 8 blocks done with vectors
+#if defined(__SSE2__)
+  if (sizeof(T) == 2 && sj == 1) {
+    whole_i = rows / 8 * 8;
+    whole_j = cols / 8 * 8;
+    for (int64_t i0 = 0; i0 < whole_i; i0 += 8) {
+      for (int64_t j0 = 0; j0 < whole_j; j0 += 8) {
+        transpose8x8(reinterpret_cast<uint16_t*>(dst + j0 * ld + i0), ld,
+                     reinterpret_cast<const uint16_t*>(src + i0 * si + j0), si);
       }
     }
   }
+#endif
+  // The rest in kBlock x kBlock blocks: rows from whole_i on, and the columns from whole_j on of the rows before.
+  const auto scalar = [&](int64_t i_begin, int64_t i_end, int64_t j_begin) {
+    for (int64_t i0 = i_begin; i0 < i_end; i0 += kBlock) {
+      const int64_t i1 = std::min(i0 + kBlock, i_end);
+      for (int64_t j0 = j_begin; j0 < cols; j0 += kBlock) {
+        const int64_t j1 = std::min(j0 + kBlock, cols);
+        for (int64_t j = j0; j < j1; ++j) {
+          for (int64_t i = i0; i < i1; ++i) dst[j * ld + i] = src[i * si + j * sj];
+        }
+      }
+    }
+  };
+  scalar(whole_i, rows, 0);
+  scalar(0, whole_i, whole_j);
 }
 
 // The sizes of one call, a 1-D convolution as a 2-D one of height 1.
