@@ -6,13 +6,14 @@ so these modules are QLinears on the patch matrix: the same weight dtypes,
 weight scales (tensor / channel / block), activation schemes (None, dynamic,
 static with calibration), accuracy modes and kernels.
 
-Layout. The patch matrix is gathered from a channels-last view of the input in
-one strided copy; inside a patch the channel is the fastest index (``K`` order
-``(*kernel, C)``), so the copy moves whole channel runs and a 1x1 convolution
-of a channels-last input needs no copy at all. The output is the ``[M, N]``
-product seen as ``[B, N, *spatial]`` (channels-last strides, no copy). Block
-weight scales cover blocks of the weight flattened in PyTorch's order
-``(C, *kernel)``, so a layer with block scales gathers patches in that order.
+Layout. Inside a patch the channel is the fastest index (``K`` order ``(*kernel, C)``). On the CPU kernel, with
+no gradient to track, the layer calls ``qfp8::scaled_conv_cpu`` (qfp8/library/conv_cpu.py): the input is copied
+once into a zero-padded channels-last buffer, where each kernel row of a patch is one contiguous run, and the
+kernel reads the patches from there (in place on avx512bf16, gathered run by run elsewhere). Otherwise (gradients,
+calibration, block weight scales, other devices) the patch matrix is gathered from a channels-last view of the
+input in one strided copy. The output keeps the input's memory format, as ``nn.Conv``'s does. Block weight scales
+cover blocks of the weight flattened in PyTorch's order ``(C, *kernel)``, so a layer with block scales gathers
+patches in that order.
 
 State (``state_dict``, what ``qfp8.save_pretrained`` writes): ``weight`` FP8
 ``[N, C/groups * prod(kernel)]``, the convolution's weight flattened in
