@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import qfp8
 from qfp8 import formats
 from qfp8.library import cpu
 from qfp8.library.conv_cpu import CONV_OP
@@ -154,3 +155,17 @@ def test_op_checks_and_bad_arguments():
         CONV_OP(x, *args, [3, 3], [0, 1], [0] * 4, [1, 1])
     with pytest.raises(ValueError, match=r"x must be \[batch, channels, height, width\]"):
         CONV_OP(x[0], *args, [3, 3], [1, 1], [0] * 4, [1, 1])
+
+
+@torch.no_grad()
+def test_compiled_channels_last_matches_eager():
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.SiLU(), nn.Conv2d(16, 8, 3, stride=2)).to(torch.bfloat16)
+    qfp8.quantize(model)
+    x = torch.randn(2, 8, 12, 10, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    eager = model(x)
+    compiled = torch.compile(model, fullgraph=True)(x)
+    assert eager.is_contiguous(memory_format=torch.channels_last)  # channels-last in, channels-last out
+    assert compiled.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(compiled, eager)
