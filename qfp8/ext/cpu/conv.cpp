@@ -82,6 +82,14 @@ inline void transpose8x8(uint16_t* dst, int64_t ld, const uint16_t* src, int64_t
     }
   }
 }
+
+// The same for 4 x 4 32-bit values (bit moves only: every float32 bit pattern is kept).
+inline void transpose4x4(uint32_t* dst, int64_t ld, const uint32_t* src, int64_t si) {
+  __m128 r[4];
+  for (int i = 0; i < 4; ++i) r[i] = _mm_castsi128_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * si)));
+  _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
+  for (int j = 0; j < 4; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j * ld), _mm_castps_si128(r[j]));
+}
 #endif
 
 // dst[j * ld + i] = src[i * si + j * sj] for i < rows, j < cols.
@@ -91,15 +99,30 @@ void transpose_into(T* dst, int64_t ld, const T* src, int64_t si, int64_t sj, in
     for (int64_t j = 0; j < cols; ++j) std::memcpy(dst + j * ld, src + j * sj, rows * sizeof(T));
     return;
   }
-  int64_t whole_i = 0, whole_j = 0;  // the 8 x 8 blocks done with vectors
+  int64_t whole_i = 0, whole_j = 0;  // the blocks done with vectors (8 x 8 16-bit, 4 x 4 32-bit values)
 #if defined(__SSE2__)
-  if (sizeof(T) == 2 && sj == 1) {
-    whole_i = rows / 8 * 8;
-    whole_j = cols / 8 * 8;
-    for (int64_t i0 = 0; i0 < whole_i; i0 += 8) {
-      for (int64_t j0 = 0; j0 < whole_j; j0 += 8) {
+  constexpr int64_t step = sizeof(T) == 2 ? 8 : 4;
+  if (sj == 1) {
+    whole_i = rows / step * step;
+    whole_j = cols / step * step;
+    const auto block = [&](int64_t i0, int64_t j0) {
+      if constexpr (sizeof(T) == 2) {
         transpose8x8(reinterpret_cast<uint16_t*>(dst + j0 * ld + i0), ld,
                      reinterpret_cast<const uint16_t*>(src + i0 * si + j0), si);
+      } else {
+        transpose4x4(reinterpret_cast<uint32_t*>(dst + j0 * ld + i0), ld,
+                     reinterpret_cast<const uint32_t*>(src + i0 * si + j0), si);
+      }
+    };
+    // The inner loop steps along i when dst's rows lie farther apart than src's, else along j: the side whose
+    // rows lie far apart (maybe a multiple of 4 KB, in the same cache sets) has one block of rows in flight.
+    if (ld >= si) {
+      for (int64_t j0 = 0; j0 < whole_j; j0 += step) {
+        for (int64_t i0 = 0; i0 < whole_i; i0 += step) block(i0, j0);
+      }
+    } else {
+      for (int64_t i0 = 0; i0 < whole_i; i0 += step) {
+        for (int64_t j0 = 0; j0 < whole_j; j0 += step) block(i0, j0);
       }
     }
   }
