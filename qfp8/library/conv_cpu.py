@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from qfp8.library import cpu
+from qfp8.ext import load_cpu_extension
 
 __all__ = ["CONV_OP", "conv_output_sizes"]
 
@@ -33,7 +33,7 @@ def conv_output_sizes(spatial, kernel_size, stride, padding, dilation) -> list[i
 
 
 CONV_OP = None
-if cpu._EXTENSION is not None and hasattr(torch.ops.qfp8, "scaled_conv_cpu"):
+if load_cpu_extension() is not None and hasattr(torch.ops.qfp8, "scaled_conv_cpu"):
 
     @torch.library.register_fake("qfp8::scaled_conv_cpu")
     def _(
