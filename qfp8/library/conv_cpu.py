@@ -11,7 +11,9 @@ output ``[B, out_features, *out]`` is contiguous when ``x`` is, else
 channels-last (``[B, *out, out_features]`` seen with the channels second), as
 ``nn.Conv``'s keeps the input's memory format. It never builds the patch
 matrix where the ISA reads the patches in place (avx512bf16, bf16 input,
-activations as given); elsewhere it gathers it in one pass. No gradient: the
+activations as given) and quantizes the patches straight into FP8 values
+(avx512bf16 and amx, per-token, per-tensor and static activation scales);
+elsewhere it gathers it in one pass. No gradient: the
 layers call it only when none is needed.
 """
 

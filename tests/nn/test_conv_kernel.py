@@ -46,7 +46,10 @@ SCHEMES = {
     "w8a16": QuantizationScheme(),
     "tensor-e5m2": QuantizationScheme.from_args(weights="float8_e5m2", weight_scale="tensor"),
     "a-token": QuantizationScheme.from_args(activations="dynamic"),
+    "a-tensor": QuantizationScheme.from_args(activations="dynamic", activation_scale="tensor"),
     "a-group": QuantizationScheme.from_args(activations="dynamic", activation_scale="group"),
+    "a-token-mse": QuantizationScheme.from_args(activations="dynamic", activation_scale="token-mse"),
+    "a-static": QuantizationScheme.from_args(activations="static"),
 }
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative to max |reference|
 
@@ -79,6 +82,8 @@ def test_conv_op_matches_the_patch_route_and_float64(isa, shape, dtype, scheme):
     conv = nn.Conv2d(cin, cout, kernel, stride, padding, dilation).to(dtype)
     q = quantize_convolution(conv, SCHEMES[scheme], "conv")
     x = torch.randn(2, cin, *spatial).to(dtype)
+    if SCHEMES[scheme].activations == "static":  # calibrated by hand: a static scale a little below x's range
+        q.input_scale = x.float().abs().amax().reshape(1) / 400
     for memory in (torch.contiguous_format, torch.channels_last):
         xm = x.contiguous(memory_format=memory)
         assert q._reads_in_place(xm)

@@ -70,6 +70,15 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
                          const float* input_scale, float* buffer, float* row_scale, uint16_t* out_bf16 = nullptr,
                          float* group_scale = nullptr);
 
+// prepare_activations' token, tensor and static quantization into out_bf16
+// [M][K], for an ISA with the row helpers, on a convolution's patches of x
+// (the padded input, PatchRows' runs), run by run: the same values and
+// scales as on the patch matrix. False, nothing written, for another ISA or
+// mode.
+template <typename T>
+bool quantize_patches(const T* x, const PatchRows& patches, int64_t M, Activation mode, at::ScalarType qdtype,
+                      const float* input_scale, float* row_scale, uint16_t* out_bf16);
+
 // ------------------------------------------------------------ linear (linear.cpp)
 
 at::Tensor scaled_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scale,

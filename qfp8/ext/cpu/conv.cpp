@@ -9,8 +9,10 @@
 // (kh * kw runs of C when the kernel is dilated along its width), which
 // kernel.h's PatchRows describes. An ISA with a patch preparation step
 // (avx512bf16) reads them in place as it lays out its activations, which it
-// copies anyway; the others, and the quantizing activation modes, get the
-// runs gathered into a dense [M][K] matrix (memcpy per run). The product
+// copies anyway. Token, tensor and static FP8 activations on an ISA with
+// the row helpers (avx512bf16, amx) are quantized run by run into the FP8
+// values its preparation takes (linear.cpp). Everything else gets the runs
+// gathered into a dense [M][K] matrix (memcpy per run). The product
 // [M][N] is the output in channels-last order: the output itself for an
 // input that is not contiguous, else transposed into [B, N, *out].
 #include <ATen/Parallel.h>

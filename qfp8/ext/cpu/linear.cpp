@@ -328,6 +328,49 @@ void scaled_linear_cpu_into(at::Tensor out, const at::Tensor& x, const at::Tenso
                      parse_activation(activation), activation_dtype);
 }
 
+// The quantizing modes on the patches of x: quantized run by run (no patch
+// matrix of x's values), then the ISA's preparation of the FP8 values as
+// for a linear call. False when the ISA or mode has no such path, or the
+// preparation declines.
+bool quantize_patches_into(at::Tensor& out, const ConvPatches& x, const IsaEntry& isa, const at::Tensor& packed,
+                           const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& input_scale, int64_t N, int64_t K,
+                           at::IntArrayRef block_size, Activation mode, at::ScalarType activation_dtype) {
+  if (!isa.helpers->finite_amax_row || !(mode == kToken || mode == kTensor || mode == kStatic)) return false;
+  LinearCall c;
+  check_weight(c, x.input, packed, weight_scale, N, K, block_size, /*check_k=*/false);
+  set_up_call(c, out, packed, weight_scale, bias, input_scale, x.M, N, K, mode, activation_dtype);
+  LinearProblem& p = c.p;
+  c.x_quantized = ScratchBuffer<uint16_t>(x.M * K);
+  TORCH_CHECK(c.x_quantized.get() != nullptr, kOp, ": could not allocate ", x.M * K * 2,
+              " bytes for the quantized activations");
+  c.row_scale.resize(x.M);
+  bool quantized = false;
+  const void* data = x.input.data_ptr();
+  if (c.xdtype == at::kFloat) {
+    quantized = quantize_patches(static_cast<const float*>(data), x.rows, x.M, mode, activation_dtype, c.input_scale,
+                                 c.row_scale.data(), c.x_quantized.get());
+  } else if (c.xdtype == at::kBFloat16) {
+    quantized = quantize_patches(static_cast<const c10::BFloat16*>(data), x.rows, x.M, mode, activation_dtype,
+                                 c.input_scale, c.row_scale.data(), c.x_quantized.get());
+  } else {
+    quantized = quantize_patches(static_cast<const c10::Half*>(data), x.rows, x.M, mode, activation_dtype,
+                                 c.input_scale, c.row_scale.data(), c.x_quantized.get());
+  }
+  if (!quantized) return false;
+  p.x_bf16 = c.x_quantized.get();
+  c.prepared = isa.prepare(p);
+  p.x_bf16 = nullptr;
+  if (!c.prepared) return false;
+  if (c.scale_shift) {
+    for (auto& r : c.row_scale) r = std::ldexp(r, c.scale_shift);
+  }
+  p.row_scale = c.row_scale.data();
+  p.prepared = c.prepared.get();
+  run_tiles(c, isa);
+  return true;
+}
+
 }  // namespace
 
 void scaled_linear_patches_into(at::Tensor& out, const ConvPatches& x, const at::Tensor& packed,
@@ -349,6 +392,11 @@ void scaled_linear_patches_into(at::Tensor& out, const ConvPatches& x, const at:
       p.prepared = c.prepared.get();
       return run_tiles(c, isa);
     }
+  }
+  if (isa.prepare && mode != kNone && x.M > 0 && quantize_patches_into(out, x, isa, packed, weight_scale, bias,
+                                                                    input_scale, N, K, block_size, mode,
+                                                                    activation_dtype)) {
+    return;
   }
   scaled_linear_into(out, x.dense(), packed, weight_scale, bias, input_scale, N, K, block_size, mode,
                      activation_dtype);
