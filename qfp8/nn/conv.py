@@ -306,7 +306,7 @@ class QConvNd(QLinear):
     def _convolution(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, C, *S]`` through the CPU kernel's convolution op (padding modes other than zeros padded
         here first)."""
-        pads = [p for pair in self._pads() for p in pair]
+        given, pads = x, [p for pair in self._pads() for p in pair]
         if self.padding_mode != "zeros" and any(pads):
             try:
                 x = F.pad(x, [p for pair in reversed(self._pads()) for p in pair], mode=self.padding_mode)
@@ -314,7 +314,7 @@ class QConvNd(QLinear):
                 raise ValueError(f"{self._name()}: padding_mode={self.padding_mode!r}: {error}") from None
             pads = [0] * len(pads)
         if min(conv_output_sizes(x.shape[2:], self.kernel_size, self.stride, pads, self.dilation)) < 1:
-            raise self._too_small(x, [size + pads[2 * i] + pads[2 * i + 1] for i, size in enumerate(x.shape[2:])])
+            raise self._too_small(given, [size + pads[2 * i] + pads[2 * i + 1] for i, size in enumerate(x.shape[2:])])
         buffers = self._buffers
         args = (x, buffers["qweight"], buffers["weight_scale"], self._parameters["bias"], buffers["input_scale"])
         return CONV_OP(*args, *self._extra_args, self.kernel_size, self.stride, pads, self.dilation)
