@@ -6,6 +6,7 @@ the compiled kernels that could be loaded for this machine.
 
 from qfp8.library import (
     attention,  # noqa: F401  (defines torch.ops.qfp8.fp8_decode_attention)
+    conv_cpu,  # noqa: F401  (the fake implementation of torch.ops.qfp8.scaled_conv_cpu, where qfp8._C defines it)
     experts,  # noqa: F401  (defines torch.ops.qfp8.experts_linear)
     ops,  # noqa: F401  (defines torch.ops.qfp8.scaled_linear)
 )

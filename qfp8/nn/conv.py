@@ -6,13 +6,14 @@ so these modules are QLinears on the patch matrix: the same weight dtypes,
 weight scales (tensor / channel / block), activation schemes (None, dynamic,
 static with calibration), accuracy modes and kernels.
 
-Layout. The patch matrix is gathered from a channels-last view of the input in
-one strided copy; inside a patch the channel is the fastest index (``K`` order
-``(*kernel, C)``), so the copy moves whole channel runs and a 1x1 convolution
-of a channels-last input needs no copy at all. The output is the ``[M, N]``
-product seen as ``[B, N, *spatial]`` (channels-last strides, no copy). Block
-weight scales cover blocks of the weight flattened in PyTorch's order
-``(C, *kernel)``, so a layer with block scales gathers patches in that order.
+Layout. Inside a patch the channel is the fastest index (``K`` order ``(*kernel, C)``). On the CPU kernel, with
+no gradient to track, the layer calls ``qfp8::scaled_conv_cpu`` (qfp8/library/conv_cpu.py): the input is copied
+once into a zero-padded channels-last buffer, where each kernel row of a patch is one contiguous run, and the
+kernel reads the patches from there (in place on avx512bf16, gathered run by run elsewhere). Otherwise (gradients,
+calibration, block weight scales, other devices) the patch matrix is gathered from a channels-last view of the
+input in one strided copy. The output keeps the input's memory format, as ``nn.Conv``'s does. Block weight scales
+cover blocks of the weight flattened in PyTorch's order ``(C, *kernel)``, so a layer with block scales gathers
+patches in that order.
 
 State (``state_dict``, what ``qfp8.save_pretrained`` writes): ``weight`` FP8
 ``[N, C/groups * prod(kernel)]``, the convolution's weight flattened in
@@ -35,6 +36,7 @@ from torch.nn import functional as F
 
 from qfp8 import formats, rounding
 from qfp8.library.autograd import linear, needs_grad
+from qfp8.library.conv_cpu import CONV_OP, conv_output_sizes
 from qfp8.library.ops import reference_activation
 from qfp8.library.routing import REFERENCE_KERNEL
 from qfp8.nn.qlinear import QLinear
@@ -60,6 +62,8 @@ __all__ = [
     "quantizes_convolutions",
 ]
 
+_LINEAR_CPU_OP = getattr(torch.ops.qfp8, "scaled_linear_cpu", None)
+_LINEAR_CPU_OP = _LINEAR_CPU_OP.default if _LINEAR_CPU_OP is not None else None
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 GROUPED_REASON = (
     "groups={groups}: the FP8 kernels run one matrix per layer; grouped convolutions take the reference route"
@@ -282,19 +286,54 @@ class QConvNd(QLinear):
                 f"{self._name()}: the input is on {x.device}, the layer's weights on {self.qweight.device}"
             )
 
+    def _too_small(self, x: torch.Tensor, padded: list[int]) -> ValueError:
+        span = [d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation, strict=True)]
+        return ValueError(
+            f"{self._name()}: the input {tuple(x.shape)} (padded: {tuple(padded)}) is smaller than the dilated "
+            f"kernel ({span})"
+        )
+
+    def _reads_in_place(self, x: torch.Tensor) -> bool:
+        """Whether the CPU kernel's convolution op takes ``x`` (no patch matrix in PyTorch, see conv_cpu.py)."""
+        return (
+            CONV_OP is not None
+            and self.groups == 1
+            and self.channels_last_patches
+            and not self.calibrating
+            and self._op is self._kernel_op
+            and self._kernel_op is _LINEAR_CPU_OP
+            and x.device.type == "cpu"
+            and not needs_grad(x, self._parameters["bias"])
+        )
+
+    def _convolution(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, C, *S]`` through the CPU kernel's convolution op (padding modes other than zeros padded
+        here first)."""
+        given, pads = x, [p for pair in self._pads() for p in pair]
+        if self.padding_mode != "zeros" and any(pads):
+            try:
+                x = F.pad(x, [p for pair in reversed(self._pads()) for p in pair], mode=self.padding_mode)
+            except RuntimeError as error:  # reflect padding wider than the input, for one
+                raise ValueError(f"{self._name()}: padding_mode={self.padding_mode!r}: {error}") from None
+            pads = [0] * len(pads)
+        if min(conv_output_sizes(x.shape[2:], self.kernel_size, self.stride, pads, self.dilation)) < 1:
+            raise self._too_small(given, [size + pads[2 * i] + pads[2 * i + 1] for i, size in enumerate(x.shape[2:])])
+        buffers = self._buffers
+        args = (x, buffers["qweight"], buffers["weight_scale"], self._parameters["bias"], buffers["input_scale"])
+        return CONV_OP(*args, *self._extra_args, self.kernel_size, self.stride, pads, self.dilation)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         if x.device.type != "meta" and x.dtype in formats.FLOAT_DTYPES and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))  # as torch.autocast runs nn.Conv
         unbatched = x.dim() == self.dims + 1
+        if self._reads_in_place(x):
+            y = self._convolution(x.unsqueeze(0) if unbatched else x)
+            return y.squeeze(0) if unbatched else y
         padded = self._channels_last_input(x.unsqueeze(0) if unbatched else x)
         out = self._output_sizes(padded)
         if min(out) < 1:
-            span = [d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation, strict=True)]
-            raise ValueError(
-                f"{self._name()}: the input {tuple(x.shape)} (padded: {tuple(padded.shape[1:-1])}) is smaller than "
-                f"the dilated kernel ({span})"
-            )
+            raise self._too_small(x, list(padded.shape[1:-1]))
         if self.groups > 1:
             y = self._grouped(padded, out, x.dtype)
         else:

@@ -244,6 +244,52 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
   }
 }
 
+template <typename T>
+bool quantize_patches(const T* x, const PatchRows& patches, int64_t M, Activation mode, at::ScalarType qdtype,
+                      const float* input_scale, float* row_scale, uint16_t* out_bf16) {
+  const IsaHelpers& helpers = *current_isa().helpers;
+  if (!helpers.finite_amax_row || !(mode == kToken || mode == kTensor || mode == kStatic)) return false;
+  constexpr int kind = RowPreparer<T>::kind;
+  const float qmax = fp8_max(qdtype);
+  const Fp8Grid grid = fp8_grid(qdtype, qmax);
+  const int64_t L = patches.segment_length, K = patches.segments * L;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1));
+  const auto run = [&](int64_t m, int64_t s) { return x + patches.row_offset[m] + patches.segment_offset[s]; };
+  const auto row_amax = [&](int64_t m) {  // a max: the same in any order
+    float amax = 0.0f;
+    for (int64_t s = 0; s < patches.segments; ++s) amax = std::max(amax, helpers.finite_amax_row(run(m, s), kind, L));
+    return amax;
+  };
+  float tensor_scale = mode == kStatic ? input_scale[0] : 1.0f;
+  if (mode == kTensor) {
+    const float amax = at::parallel_reduce(
+        0, M, grain, 0.0f,
+        [&](int64_t begin, int64_t end, float acc) {
+          for (int64_t m = begin; m < end; ++m) acc = std::max(acc, row_amax(m));
+          return acc;
+        },
+        [](float a, float b) { return std::max(a, b); });
+    tensor_scale = scale_from_amax(amax, qmax);
+  }
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float scale = mode == kToken ? scale_from_amax(row_amax(m), qmax) : tensor_scale;
+      for (int64_t s = 0; s < patches.segments; ++s) {
+        helpers.quantize_row_bf16(run(m, s), kind, L, scale, grid, out_bf16 + m * K + s * L);
+      }
+      row_scale[m] = scale;
+    }
+  });
+  return true;
+}
+
+template bool quantize_patches<float>(const float*, const PatchRows&, int64_t, Activation, at::ScalarType,
+                                      const float*, float*, uint16_t*);
+template bool quantize_patches<c10::BFloat16>(const c10::BFloat16*, const PatchRows&, int64_t, Activation,
+                                              at::ScalarType, const float*, float*, uint16_t*);
+template bool quantize_patches<c10::Half>(const c10::Half*, const PatchRows&, int64_t, Activation, at::ScalarType,
+                                          const float*, float*, uint16_t*);
+
 template void prepare_activations<float>(const float*, int64_t, int64_t, int64_t, Activation, at::ScalarType,
                                          const float*, float*, float*, uint16_t*, float*);
 template void prepare_activations<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t, int64_t, Activation,

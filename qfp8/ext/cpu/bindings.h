@@ -38,6 +38,9 @@ struct IsaEntry {
   LinearTilesFn fn;  // null when not compiled into this build
   bool (*cpu_has)();
   LinearPrepareFn prepare;  // once per call, before the threads (kernel.h); null for none
+  // The preparation from a convolution's patches read in place (kernel.h's
+  // PatchRows); null for an ISA that takes them as a dense [M][K] matrix.
+  LinearPrepareFn prepare_patches;
   const IsaHelpers* helpers;
 };
 
@@ -67,12 +70,37 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t Kp, Activatio
                          const float* input_scale, float* buffer, float* row_scale, uint16_t* out_bf16 = nullptr,
                          float* group_scale = nullptr);
 
+// prepare_activations' token, tensor and static quantization into out_bf16
+// [M][K], for an ISA with the row helpers, on a convolution's patches of x
+// (the padded input, PatchRows' runs), run by run: the same values and
+// scales as on the patch matrix. False, nothing written, for another ISA or
+// mode.
+template <typename T>
+bool quantize_patches(const T* x, const PatchRows& patches, int64_t M, Activation mode, at::ScalarType qdtype,
+                      const float* input_scale, float* row_scale, uint16_t* out_bf16);
+
 // ------------------------------------------------------------ linear (linear.cpp)
 
 at::Tensor scaled_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scale,
                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale,
                              int64_t out_features, int64_t in_features, at::IntArrayRef block_size,
                              c10::string_view activation, at::ScalarType activation_dtype);
+
+// A convolution's patch matrix (conv.cpp) as the activations of a linear
+// call: read in place (PatchRows into `input`) by an ISA with a patch
+// preparation step, else gathered into a dense [M][K] matrix by dense().
+struct ConvPatches {
+  at::Tensor input;  // the zero-padded channels-last input, contiguous
+  PatchRows rows;
+  int64_t M;
+  at::Tensor dense() const;  // [M][K] in input's dtype
+};
+
+// scaled_linear_cpu's computation into out [M][N] on the patches x.
+void scaled_linear_patches_into(at::Tensor& out, const ConvPatches& x, const at::Tensor& packed,
+                                const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& input_scale, int64_t N, int64_t K,
+                                at::IntArrayRef block_size, Activation mode, at::ScalarType activation_dtype);
 
 // AOTInductor's proxy executor hands an op an empty list argument as None;
 // this puts the empty list back on the stack (linear.cpp).

@@ -86,35 +86,36 @@ constexpr IsaHelpers kAvx512Helpers = {kAvx2Helpers.decode_attention, grid_error
 // QFP8_HAVE_<ISA> only if its translation unit compiled) and the CPU has it.
 const IsaEntry kIsas[] = {
 #if defined(QFP8_HAVE_AMX) && defined(QFP8_HAVE_AVX512BF16)  // avx512bf16's code for odd block scales
-    {"amx", linear_tiles_amx, has_amx, prepare_amx, &kAvx512Helpers},
+    {"amx", linear_tiles_amx, has_amx, prepare_amx, nullptr, &kAvx512Helpers},
 #else
-    {"amx", nullptr, has_amx, nullptr, &kScalarHelpers},
+    {"amx", nullptr, has_amx, nullptr, nullptr, &kScalarHelpers},
 #endif
 #ifdef QFP8_HAVE_AVX512BF16
-    {"avx512bf16", linear_tiles_avx512bf16, has_avx512bf16, prepare_avx512bf16, &kAvx512Helpers},
+    {"avx512bf16", linear_tiles_avx512bf16, has_avx512bf16, prepare_avx512bf16, prepare_patches_avx512bf16,
+     &kAvx512Helpers},
 #else
-    {"avx512bf16", nullptr, has_avx512bf16, nullptr, &kScalarHelpers},
+    {"avx512bf16", nullptr, has_avx512bf16, nullptr, nullptr, &kScalarHelpers},
 #endif
 #ifdef QFP8_HAVE_AVX512
-    {"avx512", linear_tiles_avx512, has_avx512, nullptr, &kAvx2Helpers},
+    {"avx512", linear_tiles_avx512, has_avx512, nullptr, nullptr, &kAvx2Helpers},
 #else
-    {"avx512", nullptr, has_avx512, nullptr, &kScalarHelpers},
+    {"avx512", nullptr, has_avx512, nullptr, nullptr, &kScalarHelpers},
 #endif
 #ifdef QFP8_HAVE_AVX2
-    {"avx2", linear_tiles_avx2, has_avx2, nullptr, &kAvx2Helpers},
+    {"avx2", linear_tiles_avx2, has_avx2, nullptr, nullptr, &kAvx2Helpers},
 #else
-    {"avx2", nullptr, has_avx2, nullptr, &kScalarHelpers},
+    {"avx2", nullptr, has_avx2, nullptr, nullptr, &kScalarHelpers},
 #endif
-    {"scalar", linear_tiles_scalar, has_scalar, nullptr, &kScalarHelpers},
+    {"scalar", linear_tiles_scalar, has_scalar, nullptr, nullptr, &kScalarHelpers},
 };
 
 // Never dispatched to: the AVX512 kernel's code on AVX2, which the tests
 // select by name (see kernel_avx512emu.cpp). Not in kIsas, so neither the
 // automatic choice nor usable_isas() / compiled_isas() ever name it.
 #ifdef QFP8_HAVE_AVX512EMU
-const IsaEntry kAvx512Emulated = {"avx512emu", linear_tiles_avx512emu, has_avx2, nullptr, &kAvx2Helpers};
+const IsaEntry kAvx512Emulated = {"avx512emu", linear_tiles_avx512emu, has_avx2, nullptr, nullptr, &kAvx2Helpers};
 #else
-const IsaEntry kAvx512Emulated = {"avx512emu", nullptr, has_avx2, nullptr, &kScalarHelpers};
+const IsaEntry kAvx512Emulated = {"avx512emu", nullptr, has_avx2, nullptr, nullptr, &kScalarHelpers};
 #endif
 
 const IsaEntry* best_isa() {

@@ -34,6 +34,18 @@ enum WeightFormat : int { kE4M3FN = 0, kE5M2 = 1, kE4M3FNUZ = 2 };
 enum ScaleKind : int { kScaleTensor = 0, kScaleChannel = 1, kScaleBlock = 2 };
 enum OutDtype : int { kOutFloat = 0, kOutBFloat16 = 1, kOutHalf = 2 };
 
+// A convolution's patch matrix read in place from its zero-padded
+// channels-last input (bf16): element k of row m is
+//   x_bf16[row_offset[m] + segment_offset[k / segment_length] + k % segment_length],
+// i.e. each row is `segments` contiguous runs of segment_length elements (a
+// kernel row's kw * C values, or C values when the kernel is dilated along
+// its width). K = segments * segment_length.
+struct PatchRows {
+  const int64_t* row_offset;      // [M]
+  const int64_t* segment_offset;  // [segments]
+  int64_t segments, segment_length;
+};
+
 struct LinearProblem {
   const float* x;  // [M][ldx] float32, columns K..Kp-1 are zero
   int64_t M, K, Kp, ldx;
@@ -60,6 +72,9 @@ struct LinearProblem {
   // null). A prepare step that declines them (returns null) is not asked
   // again; the float32 x goes to its tiles without a prepared form.
   const uint16_t* x_bf16;
+  // Only while an ISA's patch preparation step runs (prepare_patches): the
+  // rows of x_bf16 are a convolution's patches (PatchRows), not [M][K].
+  const PatchRows* patches;
   int64_t threads;  // how many threads share the call's tiles (a tuning hint)
 };
 
@@ -75,6 +90,10 @@ void linear_tiles_avx512bf16(const LinearProblem& p, int64_t tile_begin, int64_t
 // it as LinearProblem::prepared. Null means the ISA's tiles go without.
 using LinearPrepareFn = std::shared_ptr<const void> (*)(const LinearProblem&);
 std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p);
+// The same preparation from p.patches (bf16 x, activations as given): the
+// im2col of a convolution done by the copy the preparation makes anyway.
+// Null when it declines (few rows, an odd segment length, tiny magnitudes).
+std::shared_ptr<const void> prepare_patches_avx512bf16(const LinearProblem& p);
 // AMX (kernel_amx.cpp): tile products; block scales whose k-block is not a
 // multiple of 32 go to the avx512bf16 kernel, whose preparation it wraps.
 void linear_tiles_amx(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);

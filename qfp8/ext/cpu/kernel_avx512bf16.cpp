@@ -130,37 +130,11 @@ inline void row_group_scales(const LinearProblem& p, const int64_t* rows, int co
   for (int r = 0; r < count; ++r) out[r] = p.group_scale[rows[r] * p.group_cols + start / kActivationGroupPairs];
 }
 
-// Transposes 16 x 16 dwords in place: r[i] lane j <- r[j] lane i. Two
-// unpack stages within 128-bit lanes, then the lanes themselves.
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // c[i + j]: rows i..i+3 at column 4 L + j of lane L
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512i d0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), d1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
-    const __m512i d2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
-    const __m512i d3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
-    t[j] = _mm512_shuffle_i32x4(d0, d2, 0x88);
-    t[4 + j] = _mm512_shuffle_i32x4(d0, d2, 0xDD);
-    t[8 + j] = _mm512_shuffle_i32x4(d1, d3, 0x88);
-    t[12 + j] = _mm512_shuffle_i32x4(d1, d3, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
-// Rows rows x `count` pairs from `in` (rows `ld` pairs apart) into `out`,
+// Rows rows x `count` pairs (row r's from in[r], bf16 pairs, not necessarily 4-byte aligned) into `out`,
 // [pair][row], 16 pairs at a time through transpose16. Returns the lanes
 // (of 32 bf16 values) that hold a nonzero magnitude below kTinyActivation.
 template <int Rows>
-__mmask32 interleave_rows(const uint32_t* in, int64_t ld, int64_t count, uint32_t* out) {
+__mmask32 interleave_rows(const uint16_t* const* in, int64_t count, uint32_t* out) {
   const __m512i magnitude = _mm512_set1_epi16(0x7fff);
   const __m512i tiny = _mm512_set1_epi16(static_cast<short>((127 - 80) << 7));  // bf16 bits of 2^-80
   __mmask32 too_small = 0;
@@ -168,7 +142,7 @@ __mmask32 interleave_rows(const uint32_t* in, int64_t ld, int64_t count, uint32_
     const int64_t n = std::min<int64_t>(16, count - i);
     const __mmask16 valid = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     __m512i r[16];
-    for (int k = 0; k < 16; ++k) r[k] = k < Rows ? _mm512_maskz_loadu_epi32(valid, in + k * ld + i) : _mm512_setzero_si512();
+    for (int k = 0; k < 16; ++k) r[k] = k < Rows ? _mm512_maskz_loadu_epi32(valid, in[k] + 2 * i) : _mm512_setzero_si512();
     for (int k = 0; k < Rows; ++k) {
       const __m512i v = _mm512_and_si512(r[k], magnitude);
       too_small |= _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(v, v), v, tiny);
@@ -179,7 +153,7 @@ __mmask32 interleave_rows(const uint32_t* in, int64_t ld, int64_t count, uint32_
   return too_small;
 }
 
-using InterleaveRowsFn = __mmask32 (*)(const uint32_t*, int64_t, int64_t, uint32_t*);
+using InterleaveRowsFn = __mmask32 (*)(const uint16_t* const*, int64_t, uint32_t*);
 template <size_t... Rows>
 constexpr std::array<InterleaveRowsFn, kMaxRows + 1> interleave_rows_fns(std::index_sequence<Rows...>) {
   return {nullptr, interleave_rows<Rows + 1>...};
@@ -226,19 +200,31 @@ struct Activations {
   }
 
   // Lays the row-by-row pairs out by chunk and block (more than kFewRows rows
-  // only), block by block: each block's rows are read front to back. Returns
-  // false when `check` and a nonzero magnitude is below kTinyActivation
-  // (bf16 x, checked as it is copied: a pass of its own would cost about as
-  // much as the copy).
-  bool interleave(bool check) {
+  // only), block by block: each block's rows are read front to back. With
+  // `patches`, the rows are a convolution's patches of the bf16 input `x`
+  // (kernel.h), read in place segment by segment, rather than row(v).
+  // Returns false when `check` and a nonzero magnitude is below
+  // kTinyActivation (bf16 x, checked as it is copied: a pass of its own
+  // would cost about as much as the copy).
+  bool interleave(bool check, const uint16_t* x = nullptr, const PatchRows* patches = nullptr) {
     blocked = allocate(rows * pairs);
+    const int64_t run = patches ? patches->segment_length / 2 : pairs;  // pairs read from one place
+    const uint16_t* in[kMaxRows];
     __mmask32 too_small = 0;
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint32_t* in = row(block_start(b));
+      const int64_t v0 = block_start(b);
+      const int count_rows = rows_in(b);
       for (int64_t c0 = 0; c0 < pairs; c0 += kChunkPairs) {
-        const int64_t count = std::min(kChunkPairs, pairs - c0);
+        const int64_t c1 = std::min(c0 + kChunkPairs, pairs);
         uint32_t* out = const_cast<uint32_t*>(block(b, c0));
-        too_small |= kInterleaveRows[rows_in(b)](in + c0, pairs, count, out);
+        for (int64_t q0 = c0, q1; q0 < c1; q0 = q1) {  // pieces within one segment
+          q1 = std::min(c1, (q0 / run + 1) * run);
+          for (int r = 0; r < count_rows; ++r) {
+            in[r] = patches ? x + patches->row_offset[v0 + r] + patches->segment_offset[q0 / run] + 2 * (q0 % run)
+                            : reinterpret_cast<const uint16_t*>(row(v0 + r) + q0);
+          }
+          too_small |= kInterleaveRows[count_rows](in, q1 - q0, out + (q0 - c0) * count_rows);
+        }
       }
     }
     data.reset();
@@ -695,6 +681,16 @@ std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p) {
     if (parts > 1) bf16::split_activations(p, parts, *a);
   }
   if (a->rows > bf16::kFewRows && !a->interleave(p.x_bf16 != nullptr)) return nullptr;
+  return a;
+}
+
+std::shared_ptr<const void> prepare_patches_avx512bf16(const LinearProblem& p) {
+  const PatchRows* patches = p.patches;
+  if (!patches || !p.x_bf16 || p.M <= bf16::kFewRows || patches->segment_length % 2 != 0) return nullptr;
+  if (p.scale_kind == kScaleBlock && p.bk % 2 != 0) return nullptr;
+  auto a = std::make_shared<bf16::Activations>();
+  a->shape(1, p.M, p.Kp);
+  if (!a->interleave(true, p.x_bf16, patches)) return nullptr;
   return a;
 }
 

@@ -186,6 +186,32 @@ inline void split32(const float* x, int64_t count, __m512 (&lo)[3], __m512 (&hi)
   check.need_lo |= _mm512_cmp_ps_mask(lo[2], zero, _CMP_NEQ_UQ) | _mm512_cmp_ps_mask(hi[2], zero, _CMP_NEQ_UQ);
 }
 
+// Transposes 16 x 16 dwords in place: r[i] lane j <- r[j] lane i. Two
+// unpack stages within 128-bit lanes, then the lanes themselves.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // c[i + j]: rows i..i+3 at column 4 L + j of lane L
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i d0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), d1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i d2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i d3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    t[j] = _mm512_shuffle_i32x4(d0, d2, 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(d0, d2, 0xDD);
+    t[8 + j] = _mm512_shuffle_i32x4(d1, d3, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(d1, d3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 }  // namespace
 }  // namespace bf16
 }  // namespace qfp8

@@ -61,13 +61,15 @@ struct LinearCall {
   ScratchBuffer<uint16_t> x_quantized;  // FP8 activations as bf16 [M][K]; every value is written
 };
 
-// Checks x, the packed weight and its scale; fills the weight's side of the problem.
+// Checks x (its last dimension only when `check_k`), the packed weight and
+// its scale; fills the weight's side of the problem.
 void check_weight(LinearCall& c, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scale,
-                  int64_t N, int64_t K, at::IntArrayRef block_size) {
+                  int64_t N, int64_t K, at::IntArrayRef block_size, bool check_k = true) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && weight_scale.device().is_cpu(), kOp,
               ": all tensors must be on the CPU, got x on ", x.device(), ", packed_weight on ", packed.device(),
               ", weight_scale on ", weight_scale.device());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, kOp, ": x has shape ", x.sizes(), " but in_features is ", K);
+  TORCH_CHECK(!check_k || (x.dim() >= 1 && x.size(-1) == K), kOp, ": x has shape ", x.sizes(),
+              " but in_features is ", K);
   c.xdtype = x.scalar_type();
   TORCH_CHECK(c.xdtype == at::kFloat || c.xdtype == at::kBFloat16 || c.xdtype == at::kHalf, kOp,
               ": x must be float32, bfloat16 or float16, got ", c.xdtype);
@@ -255,17 +257,11 @@ void prepare_linear_activations(LinearCall& c, const IsaEntry& isa, const at::Te
   p.prepared = c.prepared.get();
 }
 
-void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& packed,
-                        const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
-                        const std::optional<at::Tensor>& input_scale, int64_t N, int64_t K,
-                        at::IntArrayRef block_size, Activation mode, at::ScalarType activation_dtype) {
-  LinearCall c;
-  check_weight(c, x_in, packed, weight_scale, N, K, block_size);
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.numel() / K;
+// The output, bias and weight scale's side of a call of M rows.
+void set_up_call(LinearCall& c, at::Tensor& out, const at::Tensor& packed, const at::Tensor& weight_scale,
+                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale, int64_t M,
+                 int64_t N, int64_t K, Activation mode, at::ScalarType activation_dtype) {
   check_output_and_bias(c, out, M, N, bias, input_scale, mode, activation_dtype);
-  if (M == 0) return;
-
   LinearProblem& p = c.p;
   p.M = M;
   p.K = K;
@@ -279,18 +275,35 @@ void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tenso
   p.out = out.data_ptr();
   p.out_dtype = c.xdtype == at::kFloat ? kOutFloat : (c.xdtype == at::kBFloat16 ? kOutBFloat16 : kOutHalf);
   p.ldo = N;
+}
 
-  const IsaEntry& isa = current_isa();
-  prepare_linear_activations(c, isa, x, mode, activation_dtype);
-  if (c.scale_shift && p.row_scale) {
-    for (auto& r : c.row_scale) r = std::ldexp(r, c.scale_shift);
-  }
+// The tiles of 32 output channels, split over threads.
+void run_tiles(LinearCall& c, const IsaEntry& isa) {
+  LinearProblem& p = c.p;
   const LinearTilesFn fn = isa.fn;
-  const int64_t T = (N + kTileN - 1) / kTileN;
+  const int64_t T = (p.N + kTileN - 1) / kTileN;
   // At least ~256K multiply-adds per chunk so that small layers run inline.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, M * p.Kp * kTileN));
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, p.M * p.Kp * kTileN));
   p.threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), (T + grain - 1) / grain);
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) { fn(p, begin, end); });
+}
+
+void scaled_linear_into(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& packed,
+                        const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& input_scale, int64_t N, int64_t K,
+                        at::IntArrayRef block_size, Activation mode, at::ScalarType activation_dtype) {
+  LinearCall c;
+  check_weight(c, x_in, packed, weight_scale, N, K, block_size);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.numel() / K;
+  set_up_call(c, out, packed, weight_scale, bias, input_scale, M, N, K, mode, activation_dtype);
+  if (M == 0) return;
+  const IsaEntry& isa = current_isa();
+  prepare_linear_activations(c, isa, x, mode, activation_dtype);
+  if (c.scale_shift && c.p.row_scale) {
+    for (auto& r : c.row_scale) r = std::ldexp(r, c.scale_shift);
+  }
+  run_tiles(c, isa);
 }
 
 // The CPU kernel of qfp8::scaled_linear_cpu, boxed (every caller but the
@@ -315,7 +328,79 @@ void scaled_linear_cpu_into(at::Tensor out, const at::Tensor& x, const at::Tenso
                      parse_activation(activation), activation_dtype);
 }
 
+// The quantizing modes on the patches of x: quantized run by run (no patch
+// matrix of x's values), then the ISA's preparation of the FP8 values as
+// for a linear call. False when the ISA or mode has no such path, or the
+// preparation declines.
+bool quantize_patches_into(at::Tensor& out, const ConvPatches& x, const IsaEntry& isa, const at::Tensor& packed,
+                           const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& input_scale, int64_t N, int64_t K,
+                           at::IntArrayRef block_size, Activation mode, at::ScalarType activation_dtype) {
+  if (!isa.helpers->finite_amax_row || !(mode == kToken || mode == kTensor || mode == kStatic)) return false;
+  LinearCall c;
+  check_weight(c, x.input, packed, weight_scale, N, K, block_size, /*check_k=*/false);
+  set_up_call(c, out, packed, weight_scale, bias, input_scale, x.M, N, K, mode, activation_dtype);
+  LinearProblem& p = c.p;
+  c.x_quantized = ScratchBuffer<uint16_t>(x.M * K);
+  TORCH_CHECK(c.x_quantized.get() != nullptr, kOp, ": could not allocate ", x.M * K * 2,
+              " bytes for the quantized activations");
+  c.row_scale.resize(x.M);
+  bool quantized = false;
+  const void* data = x.input.data_ptr();
+  if (c.xdtype == at::kFloat) {
+    quantized = quantize_patches(static_cast<const float*>(data), x.rows, x.M, mode, activation_dtype, c.input_scale,
+                                 c.row_scale.data(), c.x_quantized.get());
+  } else if (c.xdtype == at::kBFloat16) {
+    quantized = quantize_patches(static_cast<const c10::BFloat16*>(data), x.rows, x.M, mode, activation_dtype,
+                                 c.input_scale, c.row_scale.data(), c.x_quantized.get());
+  } else {
+    quantized = quantize_patches(static_cast<const c10::Half*>(data), x.rows, x.M, mode, activation_dtype,
+                                 c.input_scale, c.row_scale.data(), c.x_quantized.get());
+  }
+  if (!quantized) return false;
+  p.x_bf16 = c.x_quantized.get();
+  c.prepared = isa.prepare(p);
+  p.x_bf16 = nullptr;
+  if (!c.prepared) return false;
+  if (c.scale_shift) {
+    for (auto& r : c.row_scale) r = std::ldexp(r, c.scale_shift);
+  }
+  p.row_scale = c.row_scale.data();
+  p.prepared = c.prepared.get();
+  run_tiles(c, isa);
+  return true;
+}
+
 }  // namespace
+
+void scaled_linear_patches_into(at::Tensor& out, const ConvPatches& x, const at::Tensor& packed,
+                                const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& input_scale, int64_t N, int64_t K,
+                                at::IntArrayRef block_size, Activation mode, at::ScalarType activation_dtype) {
+  const IsaEntry& isa = current_isa();
+  if (isa.prepare_patches && mode == kNone && x.input.scalar_type() == at::kBFloat16 && x.M > 0) {
+    LinearCall c;
+    check_weight(c, x.input, packed, weight_scale, N, K, block_size, /*check_k=*/false);
+    set_up_call(c, out, packed, weight_scale, bias, input_scale, x.M, N, K, mode, activation_dtype);
+    LinearProblem& p = c.p;
+    p.x_bf16 = reinterpret_cast<const uint16_t*>(x.input.data_ptr<c10::BFloat16>());
+    p.patches = &x.rows;
+    c.prepared = isa.prepare_patches(p);
+    p.x_bf16 = nullptr;
+    p.patches = nullptr;
+    if (c.prepared) {
+      p.prepared = c.prepared.get();
+      return run_tiles(c, isa);
+    }
+  }
+  if (isa.prepare && mode != kNone && x.M > 0 && quantize_patches_into(out, x, isa, packed, weight_scale, bias,
+                                                                    input_scale, N, K, block_size, mode,
+                                                                    activation_dtype)) {
+    return;
+  }
+  scaled_linear_into(out, x.dense(), packed, weight_scale, bias, input_scale, N, K, block_size, mode,
+                     activation_dtype);
+}
 
 at::Tensor scaled_linear_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scale,
                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& input_scale,
