@@ -38,6 +38,25 @@ def checkpoint_tensors(path):
     return out
 
 
+def quantized_model(dtype=torch.float32, **kwargs):
+    """The tiny model quantized with ``qfp8.quantize(**kwargs)``; static schemes calibrated on a few tokens."""
+    import qfp8
+
+    model = tiny_model(dtype)
+    qfp8.quantize(model, **kwargs)
+    if kwargs.get("activations") == "static":
+        with qfp8.calibrate(model), torch.no_grad():
+            model(tokens(seed=5))
+    return model
+
+
+def qlinears(model):
+    """The model's QLinear modules, by name."""
+    from qfp8.nn import QLinear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, QLinear)}
+
+
 class Tiny:
     """The helpers above, as a fixture (tests are imported with --import-mode=importlib)."""
 
@@ -46,6 +65,8 @@ class Tiny:
     model = staticmethod(tiny_model)
     tokens = staticmethod(tokens)
     tensors = staticmethod(checkpoint_tensors)
+    quantized = staticmethod(quantized_model)
+    qlinears = staticmethod(qlinears)
 
 
 @pytest.fixture

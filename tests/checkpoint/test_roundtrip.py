@@ -15,7 +15,6 @@ import qfp8
 from qfp8 import formats
 from qfp8.library import cpu
 from qfp8.library.routing import REFERENCE_KERNEL
-from qfp8.nn import QLinear
 
 SCHEMES = {
     "w-tensor": dict(weight_scale="tensor"),
@@ -30,25 +29,12 @@ SCHEMES = {
 }
 
 
-def quantized_model(tiny, kwargs, dtype=torch.float32):
-    model = tiny.model(dtype)
-    qfp8.quantize(model, **kwargs)
-    if kwargs.get("activations") == "static":
-        with qfp8.calibrate(model):
-            model(tiny.tokens(seed=5))
-    return model
-
-
-def qlinears(model):
-    return {name: m for name, m in model.named_modules() if isinstance(m, QLinear)}
-
-
 @pytest.mark.parametrize("kwargs", SCHEMES.values(), ids=SCHEMES.keys())
 def test_round_trip_is_bitwise(tiny, tmp_path, x, kwargs):
-    model = quantized_model(tiny, kwargs)
+    model = tiny.quantized(**kwargs)
     qfp8.save_pretrained(model, tmp_path)
     loaded = qfp8.from_pretrained(tmp_path)
-    before, after = qlinears(model), qlinears(loaded)
+    before, after = tiny.qlinears(model), tiny.qlinears(loaded)
     assert before.keys() == after.keys() and len(before) == 14
     for name, module in before.items():
         other = after[name]
@@ -62,7 +48,7 @@ def test_round_trip_is_bitwise(tiny, tmp_path, x, kwargs):
 
 
 def test_config_is_compressed_tensors(tiny, tmp_path):
-    model = quantized_model(tiny, SCHEMES["w-block-a-group"])
+    model = tiny.quantized(**SCHEMES["w-block-a-group"])
     qfp8.save_pretrained(model, tmp_path)
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
@@ -103,7 +89,7 @@ def test_token_mse_is_written_as_dynamic_token_and_named_for_qfp8(tiny, tmp_path
 
 
 def test_token_mse_groups_key_must_name_dynamic_token_groups(tiny, tmp_path):
-    qfp8.save_pretrained(quantized_model(tiny, SCHEMES["w-channel"]), tmp_path)
+    qfp8.save_pretrained(tiny.quantized(**SCHEMES["w-channel"]), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     for bad, message in ((["group_7"], "must list config_groups names"), (["group_0"], "not dynamic per token")):
         config["quantization_config"]["qfp8_token_mse_groups"] = bad
@@ -145,7 +131,7 @@ def test_tied_embeddings_are_written_once_and_tied_on_load(tiny, tmp_path, x):
 
 
 def test_sharded_save_and_load(tiny, tmp_path, x):
-    model = quantized_model(tiny, SCHEMES["w-channel"])
+    model = tiny.quantized(**SCHEMES["w-channel"])
     qfp8.save_pretrained(model, tmp_path, max_shard_size="40KB")
     shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -160,10 +146,10 @@ def test_sharded_save_and_load(tiny, tmp_path, x):
 
 
 def test_interrupted_save_leaves_old_checkpoint(tiny, tmp_path, monkeypatch, x):
-    old = quantized_model(tiny, SCHEMES["w-channel"])
+    old = tiny.quantized(**SCHEMES["w-channel"])
     qfp8.save_pretrained(old, tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    new = quantized_model(tiny, SCHEMES["w-tensor"])
+    new = tiny.quantized(**SCHEMES["w-tensor"])
     from qfp8.checkpoint import safetensors_io
 
     real_write = safetensors_io.write_safetensors
@@ -205,9 +191,9 @@ def _ctrl_c_during_the_commit(tiny, folder, monkeypatch, x):
 
     from qfp8.checkpoint import atomic
 
-    old = quantized_model(tiny, SCHEMES["w-channel"])
+    old = tiny.quantized(**SCHEMES["w-channel"])
     qfp8.save_pretrained(old, folder)  # one model.safetensors; the new checkpoint is sharded
-    new = quantized_model(tiny, SCHEMES["w-tensor"])
+    new = tiny.quantized(**SCHEMES["w-tensor"])
     steps = []
 
     def interrupt_at_the_first_step(step):
@@ -229,7 +215,7 @@ def _ctrl_c_during_the_commit(tiny, folder, monkeypatch, x):
 
 def test_tokenizer_and_generation_files_are_carried(tiny, tmp_path):
     source = tmp_path / "source"
-    model = quantized_model(tiny, SCHEMES["w-channel"])
+    model = tiny.quantized(**SCHEMES["w-channel"])
     qfp8.save_pretrained(model, source)
     (source / "tokenizer.json").write_text('{"fake": true}')
     (source / "tokenizer_config.json").write_text("{}")
@@ -240,7 +226,7 @@ def test_tokenizer_and_generation_files_are_carried(tiny, tmp_path):
 
 
 def test_load_state_dict_into_quantized_model(tiny, x):
-    model = quantized_model(tiny, SCHEMES["w-tensor-a-static"])
+    model = tiny.quantized(**SCHEMES["w-tensor-a-static"])
     state = model.state_dict()
     assert state["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
     target = tiny.model(seed=7)
@@ -275,7 +261,7 @@ def test_transformers_loads_qfp8_checkpoints(tiny, tmp_path, x):
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
     for name in ("w-channel", "w-tensor-a-static", "w-block-a-group"):
-        model = quantized_model(tiny, SCHEMES[name])
+        model = tiny.quantized(**SCHEMES[name])
         qfp8.save_pretrained(model, tmp_path / name)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             tmp_path / name, quantization_config=CompressedTensorsConfig(dequantize=True)
@@ -345,7 +331,7 @@ def test_skeleton_has_no_float_weights_before_assignment(tiny, tmp_path):
     from qfp8.checkpoint.loader import build_skeleton
     from qfp8.checkpoint.readers import open_checkpoint
 
-    model = quantized_model(tiny, SCHEMES["w-channel"])
+    model = tiny.quantized(**SCHEMES["w-channel"])
     qfp8.save_pretrained(model, tmp_path)
     plan = open_checkpoint(tmp_path).plan()
     with torch.device("meta"):
@@ -362,7 +348,7 @@ def test_skeleton_has_no_float_weights_before_assignment(tiny, tmp_path):
 
 
 def test_save_replaces_only_an_older_checkpoints_files(tiny, tmp_path, x):
-    model = quantized_model(tiny, SCHEMES["w-channel"])
+    model = tiny.quantized(**SCHEMES["w-channel"])
     qfp8.save_pretrained(model, tmp_path, max_shard_size="40KB")
     old_shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
     # An older checkpoint's index may name shards of any name; the user's own files are not the checkpoint's.
@@ -415,15 +401,15 @@ def test_from_pretrained_dtype_casts_the_float_tensors(tiny, tmp_path, x):
     for name, tensor in loaded.state_dict().items():
         if name.endswith("_scale"):
             assert tensor.dtype == torch.float32, name
-        elif name.endswith(".weight") and name.rsplit(".", 1)[0] in qlinears(loaded):
+        elif name.endswith(".weight") and name.rsplit(".", 1)[0] in tiny.qlinears(loaded):
             assert tensor.dtype == torch.float8_e4m3fn, name
         else:  # embedding, norms, lm_head, QLinear biases
             assert tensor.dtype == torch.bfloat16, name
-    assert sum(module.bias is not None for module in qlinears(loaded).values()) == 8  # q, k, v, o per layer
-    for name, module in qlinears(loaded).items():
+    assert sum(module.bias is not None for module in tiny.qlinears(loaded).values()) == 8  # q, k, v, o per layer
+    for name, module in tiny.qlinears(loaded).items():
         assert module.orig_dtype == torch.bfloat16, name
         assert module.bias is None or module.bias.dtype == torch.bfloat16, name
-        original = qlinears(model)[name]
+        original = tiny.qlinears(model)[name]
         assert torch.equal(module.canonical_weight().view(torch.uint8), original.canonical_weight().view(torch.uint8))
         assert torch.equal(module.weight_scale, original.weight_scale)
     assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight  # untied config: not tied by the cast
@@ -439,7 +425,7 @@ def test_from_pretrained_dtype_casts_the_float_tensors(tiny, tmp_path, x):
 
 
 def test_load_state_dict_is_strict_as_torch_is(tiny, x):
-    source = quantized_model(tiny, SCHEMES["w-tensor-a-static"])
+    source = tiny.quantized(**SCHEMES["w-tensor-a-static"])
     target = tiny.model(seed=7)
     qfp8.quantize(target, weight_scale="tensor", activations="static")
     with qfp8.calibrate(target):
@@ -471,7 +457,7 @@ def test_load_state_dict_checks_names_without_unpacking_weights(tiny, x, monkeyp
     """The strict key and size checks describe QLinear weights by shape and dtype: no unpacked copy of the model."""
     from qfp8.nn.qlinear import state_spec
 
-    source = quantized_model(tiny, SCHEMES["w-channel"])
+    source = tiny.quantized(**SCHEMES["w-channel"])
     target = tiny.model(seed=7)
     qfp8.quantize(target)
     state = source.state_dict()
@@ -498,7 +484,7 @@ def test_load_state_dict_checks_names_without_unpacking_weights(tiny, x, monkeyp
 
 def test_strict_load_into_an_uncalibrated_static_model_needs_its_input_scales(tiny):
     """An uncalibrated static layer's input_scale slot is empty, so the model's state_dict has no entry for it."""
-    source = quantized_model(tiny, SCHEMES["w-tensor-a-static"])
+    source = tiny.quantized(**SCHEMES["w-tensor-a-static"])
     target = tiny.model(seed=7)
     qfp8.quantize(target, weight_scale="tensor", activations="static")
     state = source.state_dict()
@@ -573,7 +559,7 @@ def test_from_pretrained_of_a_plain_module_points_to_load_state_dict(tmp_path):
 
 def test_from_pretrained_ignores_an_architectures_entry_of_another_model_type(tiny, tmp_path, x):
     """A hand-edited architectures naming a class made for another config falls back to the config's causal LM."""
-    model = quantized_model(tiny, SCHEMES["w-channel"])
+    model = tiny.quantized(**SCHEMES["w-channel"])
     qfp8.save_pretrained(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
@@ -585,7 +571,7 @@ def test_from_pretrained_ignores_an_architectures_entry_of_another_model_type(ti
 
 def test_transformers_own_save_pretrained_writes_what_qfp8_save_pretrained_writes(tiny, tmp_path, x):
     """transformers' writer is given the compressed-tensors quantization_config (qfp8/integrations/)."""
-    model = quantized_model(tiny, SCHEMES["w-channel"])
+    model = tiny.quantized(**SCHEMES["w-channel"])
     model.save_pretrained(tmp_path / "transformers")
     qfp8.save_pretrained(model, tmp_path / "qfp8")
     theirs, ours = tiny.tensors(tmp_path / "transformers"), tiny.tensors(tmp_path / "qfp8")
@@ -602,7 +588,7 @@ def test_written_files_take_the_umask_as_open_would(tiny, tmp_path):
     import os
     import stat
 
-    model = quantized_model(tiny, SCHEMES["w-channel"])
+    model = tiny.quantized(**SCHEMES["w-channel"])
     old = os.umask(0o022)
     try:
         qfp8.save_pretrained(model, tmp_path)
@@ -613,7 +599,7 @@ def test_written_files_take_the_umask_as_open_would(tiny, tmp_path):
 
 
 def test_a_failed_save_removes_the_folders_it_created(tiny, tmp_path, monkeypatch):
-    model = quantized_model(tiny, SCHEMES["w-channel"])
+    model = tiny.quantized(**SCHEMES["w-channel"])
 
     def failing_write(path, tensors, metadata=None):
         raise KeyboardInterrupt("simulated interruption")

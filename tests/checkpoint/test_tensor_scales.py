@@ -14,7 +14,6 @@ import torch
 import qfp8
 from qfp8.checkpoint.inspect import describe
 from qfp8.checkpoint.stream import stream_quantize
-from qfp8.nn import QLinear
 
 TENSOR_SCHEMES = {
     "w8a16-tensor": dict(weight_scale="tensor"),
@@ -25,15 +24,6 @@ KEY = "qfp8_tensor_weight_groups"
 SCALE = "model.layers.1.self_attn.q_proj.weight_scale"
 
 
-def quantized(tiny, kwargs):
-    model = tiny.model()
-    qfp8.quantize(model, **kwargs)
-    if kwargs.get("activations") == "static":
-        with qfp8.calibrate(model), torch.no_grad():
-            model(tiny.tokens(seed=5))
-    return model
-
-
 def read_config(path):
     return json.loads((path / "config.json").read_text())
 
@@ -42,20 +32,16 @@ def write_config(path, config):
     (path / "config.json").write_text(json.dumps(config))
 
 
-def qlinears(model):
-    return {name: m for name, m in model.named_modules() if isinstance(m, QLinear)}
-
-
 @pytest.mark.parametrize("kwargs", TENSOR_SCHEMES.values(), ids=TENSOR_SCHEMES.keys())
 def test_per_tensor_scales_are_written_per_row_and_read_back_as_one(tiny, tmp_path, x, kwargs):
-    model = quantized(tiny, kwargs)
+    model = tiny.quantized(**kwargs)
     qfp8.save_pretrained(model, tmp_path)
     qc = read_config(tmp_path)["quantization_config"]
     assert qc[KEY] == ["group_0"] and qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
     compressed_tensors = pytest.importorskip("compressed_tensors", reason="validates the config with its schema")
     compressed_tensors.quantization.QuantizationConfig.model_validate(qc)  # the extra top-level key is accepted
     stored = tiny.tensors(tmp_path)
-    modules = qlinears(model)
+    modules = tiny.qlinears(model)
     assert len(modules) == 14
     for name, module in modules.items():
         scale = stored[name + ".weight_scale"]
@@ -64,7 +50,7 @@ def test_per_tensor_scales_are_written_per_row_and_read_back_as_one(tiny, tmp_pa
     saved_scheme = next(iter(modules.values())).scheme.describe()  # qfp8 inspect names the scheme saved
     assert "-tensor " in saved_scheme and {g["scheme"] for g in describe(tmp_path)["groups"]} == {saved_scheme}
     loaded = qfp8.from_pretrained(tmp_path)
-    for name, module in qlinears(loaded).items():
+    for name, module in tiny.qlinears(loaded).items():
         assert module.scheme == modules[name].scheme and module.scheme.weight_scale == "tensor", name
         assert module.weight_scale.shape == (1,) and torch.equal(module.weight_scale, modules[name].weight_scale)
     with torch.no_grad():
@@ -90,7 +76,7 @@ def test_the_stream_writes_per_tensor_scales_as_save_pretrained_does(tiny, tmp_p
 
 
 def test_listed_scales_whose_rows_differ_are_refused_naming_the_file_and_tensor(tiny, tmp_path):
-    qfp8.save_pretrained(quantized(tiny, TENSOR_SCHEMES["w8a8-tensor-token"]), tmp_path)
+    qfp8.save_pretrained(tiny.quantized(**TENSOR_SCHEMES["w8a8-tensor-token"]), tmp_path)
     tensors = tiny.tensors(tmp_path)
     tensors[SCALE] = tensors[SCALE].clone()
     tensors[SCALE][3] *= 2
@@ -106,13 +92,13 @@ def test_listed_scales_whose_rows_differ_are_refused_naming_the_file_and_tensor(
 
 
 def test_channel_scales_without_the_key_stay_channel_scales(tiny, tmp_path, x):
-    model = quantized(tiny, TENSOR_SCHEMES["w8a8-tensor-token"])
+    model = tiny.quantized(**TENSOR_SCHEMES["w8a8-tensor-token"])
     qfp8.save_pretrained(model, tmp_path)
     config = read_config(tmp_path)
     del config["quantization_config"][KEY]
     write_config(tmp_path, config)
     loaded = qfp8.from_pretrained(tmp_path)
-    for name, module in qlinears(loaded).items():
+    for name, module in tiny.qlinears(loaded).items():
         assert module.scheme.weight_scale == "channel" and module.weight_scale.shape == (module.out_features, 1), name
     with torch.no_grad():  # the same values: only the kernel's scale layout differs
         torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
@@ -124,7 +110,7 @@ def test_channel_scales_without_the_key_stay_channel_scales(tiny, tmp_path, x):
     ids=["unknown-group", "not-a-list"],
 )
 def test_the_key_must_list_config_groups(tiny, tmp_path, listed, message):
-    qfp8.save_pretrained(quantized(tiny, TENSOR_SCHEMES["w8a16-tensor"]), tmp_path)
+    qfp8.save_pretrained(tiny.quantized(**TENSOR_SCHEMES["w8a16-tensor"]), tmp_path)
     config = read_config(tmp_path)
     config["quantization_config"][KEY] = listed
     write_config(tmp_path, config)
@@ -133,7 +119,7 @@ def test_the_key_must_list_config_groups(tiny, tmp_path, listed, message):
 
 
 def test_a_listed_group_must_store_channel_weights(tiny, tmp_path):
-    qfp8.save_pretrained(quantized(tiny, dict(weight_scale="block", block_size=(32, 32))), tmp_path)
+    qfp8.save_pretrained(tiny.quantized(**dict(weight_scale="block", block_size=(32, 32))), tmp_path)
     config = read_config(tmp_path)
     config["quantization_config"][KEY] = ["group_0"]
     write_config(tmp_path, config)
@@ -142,7 +128,7 @@ def test_a_listed_group_must_store_channel_weights(tiny, tmp_path):
 
 
 def test_channel_weights_are_not_listed(tiny, tmp_path):
-    qfp8.save_pretrained(quantized(tiny, dict(activations="dynamic")), tmp_path)
+    qfp8.save_pretrained(tiny.quantized(**dict(activations="dynamic")), tmp_path)
     assert KEY not in read_config(tmp_path)["quantization_config"]
     assert tiny.tensors(tmp_path)[SCALE].shape == (64, 1)
 
@@ -166,23 +152,23 @@ def test_mixed_schemes_list_only_the_per_tensor_group(tiny, tmp_path, x):
 
 
 def test_load_state_dict_reads_a_saved_file_into_a_per_tensor_model(tiny, tmp_path, x):
-    model = quantized(tiny, TENSOR_SCHEMES["w8a8-tensor-token"])
+    model = tiny.quantized(**TENSOR_SCHEMES["w8a8-tensor-token"])
     qfp8.save_pretrained(model, tmp_path)
     state = safetensors.torch.load_file(tmp_path / "model.safetensors")
-    target = quantized(tiny, TENSOR_SCHEMES["w8a8-tensor-token"])
+    target = tiny.quantized(**TENSOR_SCHEMES["w8a8-tensor-token"])
     qfp8.load_state_dict(target, state)
     with torch.no_grad():
         assert torch.equal(target(x).logits, model(x).logits)
     state[SCALE] = state[SCALE].clone()
     state[SCALE][3] *= 2
     with pytest.raises(ValueError, match=f"state dict tensor '{SCALE}' has 1 of 64 rows differing"):
-        qfp8.load_state_dict(quantized(tiny, TENSOR_SCHEMES["w8a8-tensor-token"]), state)
+        qfp8.load_state_dict(tiny.quantized(**TENSOR_SCHEMES["w8a8-tensor-token"]), state)
 
 
 def test_transformers_loads_it_through_qfp8config_and_its_own_loader(tiny, tmp_path, x):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("compressed_tensors", reason="transformers reads compressed-tensors through it")
-    model = quantized(tiny, TENSOR_SCHEMES["w8a16-tensor"])
+    model = tiny.quantized(**TENSOR_SCHEMES["w8a16-tensor"])
     qfp8.save_pretrained(model, tmp_path)
     through_qfp8config = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, config=qfp8.Qfp8Config().for_checkpoint(tmp_path), dtype=torch.float32
