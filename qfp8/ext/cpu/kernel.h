@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 
 namespace qfp8 {
 
@@ -98,6 +99,20 @@ std::shared_ptr<const void> prepare_patches_avx512bf16(const LinearProblem& p);
 // multiple of 32 go to the avx512bf16 kernel, whose preparation it wraps.
 void linear_tiles_amx(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
 std::shared_ptr<const void> prepare_amx(const LinearProblem& p);
+
+// Runs fn(context, begin, end) over ranges covering [0, count), of at least
+// `grain` each, on the threads of the call (at::parallel_for, linear.cpp): in
+// one range inline within a parallel region or below two grains. For an
+// ISA's prepare step, whose ranges write disjoint memory.
+using RangeFn = void (*)(void* context, int64_t begin, int64_t end);
+void parallel_ranges_fn(int64_t count, int64_t grain, RangeFn fn, void* context);
+template <typename F>
+void parallel_ranges(int64_t count, int64_t grain, F&& f) {
+  using Fn = std::remove_reference_t<F>;
+  parallel_ranges_fn(
+      count, grain, [](void* c, int64_t begin, int64_t end) { (*static_cast<Fn*>(c))(begin, end); },
+      const_cast<void*>(static_cast<const void*>(&f)));
+}
 
 // nbytes of memory, not initialized; from 2 MiB up 2 MiB-aligned and advised
 // for transparent huge pages (whole 2 MiB pages only) before its first

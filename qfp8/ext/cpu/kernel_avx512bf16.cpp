@@ -52,6 +52,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -205,31 +206,37 @@ struct Activations {
   // (kernel.h), read in place segment by segment, rather than row(v).
   // Returns false when `check` and a nonzero magnitude is below
   // kTinyActivation (bf16 x, checked as it is copied: a pass of its own
-  // would cost about as much as the copy).
+  // would cost about as much as the copy). The blocks are shared out among
+  // the call's threads, at least 256 KB of copying each.
   bool interleave(bool check, const uint16_t* x = nullptr, const PatchRows* patches = nullptr) {
     blocked = allocate(rows * pairs);
     const int64_t run = patches ? patches->segment_length / 2 : pairs;  // pairs read from one place
-    const uint16_t* in[kMaxRows];
-    __mmask32 too_small = 0;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t v0 = block_start(b);
-      const int count_rows = rows_in(b);
-      for (int64_t c0 = 0; c0 < pairs; c0 += kChunkPairs) {
-        const int64_t c1 = std::min(c0 + kChunkPairs, pairs);
-        uint32_t* out = const_cast<uint32_t*>(block(b, c0));
-        for (int64_t q0 = c0, q1; q0 < c1; q0 = q1) {  // pieces within one segment
-          q1 = std::min(c1, (q0 / run + 1) * run);
-          for (int r = 0; r < count_rows; ++r) {
-            in[r] = patches ? x + patches->row_offset[v0 + r] + patches->segment_offset[q0 / run] + 2 * (q0 % run)
-                            : reinterpret_cast<const uint16_t*>(row(v0 + r) + q0);
+    std::atomic<uint32_t> too_small{0};
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (kMaxRows * pairs * 4));
+    parallel_ranges(blocks, grain, [&](int64_t b0, int64_t b1) {
+      const uint16_t* in[kMaxRows];
+      __mmask32 small = 0;
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t v0 = block_start(b);
+        const int count_rows = rows_in(b);
+        for (int64_t c0 = 0; c0 < pairs; c0 += kChunkPairs) {
+          const int64_t c1 = std::min(c0 + kChunkPairs, pairs);
+          uint32_t* out = const_cast<uint32_t*>(block(b, c0));
+          for (int64_t q0 = c0, q1; q0 < c1; q0 = q1) {  // pieces within one segment
+            q1 = std::min(c1, (q0 / run + 1) * run);
+            for (int r = 0; r < count_rows; ++r) {
+              in[r] = patches ? x + patches->row_offset[v0 + r] + patches->segment_offset[q0 / run] + 2 * (q0 % run)
+                              : reinterpret_cast<const uint16_t*>(row(v0 + r) + q0);
+            }
+            small |= kInterleaveRows[count_rows](in, q1 - q0, out + (q0 - c0) * count_rows);
           }
-          too_small |= kInterleaveRows[count_rows](in, q1 - q0, out + (q0 - c0) * count_rows);
         }
       }
-    }
+      too_small.fetch_or(small);
+    });
     data.reset();
     base = nullptr;
-    return !(check && too_small);
+    return !(check && too_small.load());
   }
 
   void shape(int parts_, int64_t M, int64_t Kp) {

@@ -45,6 +45,12 @@ void empty_lists_from_none(const c10::FunctionSchema& schema, torch::jit::Stack*
   }
 }
 
+void parallel_ranges_fn(int64_t count, int64_t grain, RangeFn fn, void* context) {
+  if (count <= 0) return;
+  if (at::in_parallel_region() || at::get_num_threads() < 2 || count < 2 * grain) return fn(context, 0, count);
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) { fn(context, begin, end); });
+}
+
 namespace {
 
 constexpr const char* kOp = "qfp8::scaled_linear_cpu";
