@@ -43,17 +43,17 @@ def _at_thread_counts(fn, counts=(1, 2, 3)):
     return results
 
 
-def _weight(n, k, dtype=torch.float8_e4m3fn):
+def _weight(n, k, dtype=torch.float8_e4m3fn, block_size=()):
     torch.manual_seed(n + k)
     w = torch.randn(n, k) * torch.rand(n, 1).add(0.1)
-    return formats.quantize_weight(w, dtype, "channel", None)
+    return formats.quantize_weight(w, dtype, "block" if block_size else "channel", block_size or None)
 
 
-def _linear(x, q, scale, activation="none"):
+def _linear(x, q, scale, activation="none", block_size=()):
     n, k = q.shape
     packed = torch.ops.qfp8.pack_weight_cpu(q)
     return cpu.scaled_linear_cpu(
-        x, packed, scale, None, None, n, k, [], activation, formats.activation_dtype_for(q.dtype)
+        x, packed, scale, None, None, n, k, list(block_size), activation, formats.activation_dtype_for(q.dtype)
     )
 
 
@@ -61,17 +61,23 @@ def _float64(x_values, q, scale):
     return x_values.double() @ (formats.fp8_to_float(q).double() * scale.double().reshape(-1, 1)).t()
 
 
-# (M, K): 84 and 25 register blocks of 12 rows, enough for the layout to be made on two threads.
-@pytest.mark.parametrize("m, k", [(1000, 320), (300, 1100)], ids=["M1000-K320", "M300-K1100"])
-@pytest.mark.parametrize("activation", ["none", "token"])
-def test_linear_identical_across_thread_counts(isa, m, k, activation):
-    q, scale = _weight(72, k)
+# (M, K, block_size): 84 and 25 register blocks of 12 rows, enough for each thread to lay out and multiply its own
+# rows; at K = 8192 a thread's rows go through the tiles in row groups.
+CASES = {"M1000-K320": (1000, 320, ()), "M300-K1100-block": (300, 1100, (32, 64)), "M600-K8192": (600, 8192, ())}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+@pytest.mark.parametrize("activation", ["none", "token", "group"])
+def test_linear_identical_across_thread_counts(isa, case, activation):
+    m, k, block_size = CASES[case]
+    q, scale = _weight(72, k, block_size=block_size)
     x = torch.randn(m, k, dtype=torch.bfloat16)
-    results = _at_thread_counts(lambda: _linear(x, q, scale, activation))
+    results = _at_thread_counts(lambda: _linear(x, q, scale, activation, block_size))
     for other in results[1:]:
         assert torch.equal(results[0].view(torch.int16), other.view(torch.int16)), isa
     if activation == "none":
-        reference = _float64(x, q, scale)
+        w = formats.dequantize_weight(q, scale, block_size or None)
+        reference = x.double() @ w.double().t()
         error = (results[0].double() - reference).abs().max() / reference.abs().max()
         assert error <= TOLERANCE[torch.bfloat16], f"{isa}: {error:.2e}"
 

@@ -42,6 +42,7 @@ struct IsaEntry {
   // PatchRows); null for an ISA that takes them as a dense [M][K] matrix.
   LinearPrepareFn prepare_patches;
   const IsaHelpers* helpers;
+  int64_t (*prepared_row_parts)(const void* prepared);  // kernel.h; null: the tiles alone are split
 };
 
 // The ISA the kernels use: the best the CPU has, or the one set by _cpu_set_isa.

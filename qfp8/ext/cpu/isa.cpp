@@ -92,7 +92,7 @@ const IsaEntry kIsas[] = {
 #endif
 #ifdef QFP8_HAVE_AVX512BF16
     {"avx512bf16", linear_tiles_avx512bf16, has_avx512bf16, prepare_avx512bf16, prepare_patches_avx512bf16,
-     &kAvx512Helpers},
+     &kAvx512Helpers, prepared_row_parts_avx512bf16},
 #else
     {"avx512bf16", nullptr, has_avx512bf16, nullptr, nullptr, &kScalarHelpers},
 #endif

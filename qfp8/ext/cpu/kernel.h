@@ -77,6 +77,9 @@ struct LinearProblem {
   // rows of x_bf16 are a convolution's patches (PatchRows), not [M][K].
   const PatchRows* patches;
   int64_t threads;  // how many threads share the call's tiles (a tuning hint)
+  // With row parts (IsaEntry::prepared_row_parts, more than one): the part of
+  // the prepared rows, row_part of row_parts, whose outputs the tiles compute.
+  int64_t row_parts, row_part;
 };
 
 // Computes tiles [tile_begin, tile_end) of the problem. One per ISA; each is
@@ -95,6 +98,9 @@ std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p);
 // im2col of a convolution done by the copy the preparation makes anyway.
 // Null when it declines (few rows, an odd segment length, tiny magnitudes).
 std::shared_ptr<const void> prepare_patches_avx512bf16(const LinearProblem& p);
+// How many row parts the prepared activations are in (1: none): part r was
+// laid out by the call's thread r and goes through every tile on it.
+int64_t prepared_row_parts_avx512bf16(const void* prepared);
 // AMX (kernel_amx.cpp): tile products; block scales whose k-block is not a
 // multiple of 32 go to the avx512bf16 kernel, whose preparation it wraps.
 void linear_tiles_amx(const LinearProblem& p, int64_t tile_begin, int64_t tile_end);
@@ -106,6 +112,8 @@ std::shared_ptr<const void> prepare_amx(const LinearProblem& p);
 // ISA's prepare step, whose ranges write disjoint memory.
 using RangeFn = void (*)(void* context, int64_t begin, int64_t end);
 void parallel_ranges_fn(int64_t count, int64_t grain, RangeFn fn, void* context);
+// The threads a call's parallel_ranges and tiles get: 1 inside a parallel region.
+int64_t call_threads();
 template <typename F>
 void parallel_ranges(int64_t count, int64_t grain, F&& f) {
   using Fn = std::remove_reference_t<F>;

@@ -51,6 +51,8 @@ void parallel_ranges_fn(int64_t count, int64_t grain, RangeFn fn, void* context)
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) { fn(context, begin, end); });
 }
 
+int64_t call_threads() { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
+
 namespace {
 
 constexpr const char* kOp = "qfp8::scaled_linear_cpu";
@@ -283,11 +285,26 @@ void set_up_call(LinearCall& c, at::Tensor& out, const at::Tensor& packed, const
   p.ldo = N;
 }
 
-// The tiles of 32 output channels, split over threads.
+// The tiles of 32 output channels, split over threads; or, when the ISA
+// prepared its rows in parts, one part per thread, each through every tile
+// (at::parallel_for hands range r to the thread that laid out part r).
 void run_tiles(LinearCall& c, const IsaEntry& isa) {
   LinearProblem& p = c.p;
   const LinearTilesFn fn = isa.fn;
   const int64_t T = (p.N + kTileN - 1) / kTileN;
+  const int64_t parts = isa.prepared_row_parts && p.prepared ? isa.prepared_row_parts(p.prepared) : 1;
+  if (parts > 1) {
+    p.threads = parts;
+    p.row_parts = parts;
+    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        LinearProblem part = p;
+        part.row_part = r;
+        fn(part, 0, T);
+      }
+    });
+    return;
+  }
   // At least ~256K multiply-adds per chunk so that small layers run inline.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, p.M * p.Kp * kTileN));
   p.threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), (T + grain - 1) / grain);
