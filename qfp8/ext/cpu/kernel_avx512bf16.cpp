@@ -46,7 +46,10 @@
 // groups, and a group's rows through K in segments (see RowGroup).
 //
 // The activations are split once per call (prepare_avx512bf16, before the
-// tiles are shared out among threads), not once per thread.
+// tiles are shared out among threads), not once per thread; their layout by
+// register block is shared out among the call's threads. With many rows, each
+// thread lays out a part of the rows and takes it through every tile
+// (Activations::row_parts), so that its activations stay in its own cache.
 #include <cpuid.h>
 #include <immintrin.h>
 
@@ -512,7 +515,7 @@ std::shared_ptr<const void> prepare_avx512bf16(const LinearProblem& p) {
     if (parts == 0) return nullptr;
     if (parts > 1) bf16::split_activations(p, parts, *a);
   }
-  a->row_parts = a->rows > bf16::kFewRows ? bf16::row_parts_for(p, *a) : 1;
+  a->row_parts = a->rows > bf16::kFewRows ? bf16::row_parts_for(*a) : 1;
   if (a->rows > bf16::kFewRows && !a->interleave(p.x_bf16 != nullptr)) return nullptr;
   return a;
 }
@@ -523,7 +526,7 @@ std::shared_ptr<const void> prepare_patches_avx512bf16(const LinearProblem& p) {
   if (p.scale_kind == kScaleBlock && p.bk % 2 != 0) return nullptr;
   auto a = std::make_shared<bf16::Activations>();
   a->shape(1, p.M, p.Kp);
-  a->row_parts = bf16::row_parts_for(p, *a);
+  a->row_parts = bf16::row_parts_for(*a);
   if (!a->interleave(true, p.x_bf16, patches)) return nullptr;
   return a;
 }

@@ -210,13 +210,13 @@ bool take_bf16_activations(const LinearProblem& p, Activations& a) {
 }
 
 // Row parts for a's rows on the call's threads: one per thread when a has one
-// part, at least kMinPartRows rows a thread and no fewer bytes of activations
-// than of weights (each thread then reads every weight, rather than every
+// part and at least kMinPartRows rows a thread (each thread then reads every
+// weight, at 2 x kMinPartRows multiply-adds or more a byte, rather than every
 // row, most of them laid out by other threads and in their caches); else 1.
 constexpr int64_t kMinPartRows = 96;
-inline int64_t row_parts_for(const LinearProblem& p, const Activations& a) {
+inline int64_t row_parts_for(const Activations& a) {
   const int64_t threads = call_threads();
-  if (a.parts != 1 || threads < 2 || a.rows < threads * kMinPartRows || 2 * a.rows < p.N) return 1;
+  if (a.parts != 1 || threads < 2 || a.rows < threads * kMinPartRows) return 1;
   return std::min(threads, a.blocks);
 }
 

@@ -5,11 +5,13 @@
 // Per call, on plain tensors: cheap shape checks, the activations turned into
 // a float32 [M][Kp] buffer (a copy of x, or x quantized to FP8 and held as
 // the exact FP8 values, activations.cpp), then the tiles of 32 output
-// channels are split over threads with at::parallel_for. Each tile is
-// computed whole by one thread, so results do not depend on the number of
-// threads. An ISA with a preparation step (avx512bf16, amx) prepares its own
-// form of the activations once per call, from bf16: x as it is, or the
-// quantized FP8 values (exact in bf16) instead of the buffer.
+// channels are split over threads with at::parallel_for (or, where the ISA
+// prepared the rows in parts, the parts: run_tiles). Each output is computed
+// whole by one thread, its sums in an order that does not depend on how the
+// work is split, so results do not depend on the number of threads. An ISA
+// with a preparation step (avx512bf16, amx) prepares its own form of the
+// activations once per call, from bf16: x as it is, or the quantized FP8
+// values (exact in bf16) instead of the buffer.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
