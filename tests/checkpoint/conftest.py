@@ -50,6 +50,19 @@ def quantized_model(dtype=torch.float32, **kwargs):
     return model
 
 
+def mixed_model():
+    """The tiny model with two schemes: channel-scaled attention, per-tensor MLP (lm_head float)."""
+    import qfp8
+
+    model = tiny_model()
+    qfp8.quantize(model, weight_scale="channel", exclude=("lm_head", "*mlp*"))
+    mlp = tiny_model()
+    qfp8.quantize(mlp, weight_scale="tensor", exclude=("lm_head", "*self_attn*"))
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp = mlp.model.layers[i].mlp
+    return model
+
+
 def qlinears(model):
     """The model's QLinear modules, by name."""
     from qfp8.nn import QLinear
@@ -67,6 +80,7 @@ class Tiny:
     tensors = staticmethod(checkpoint_tensors)
     quantized = staticmethod(quantized_model)
     qlinears = staticmethod(qlinears)
+    mixed = staticmethod(mixed_model)
 
 
 @pytest.fixture

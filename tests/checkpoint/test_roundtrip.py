@@ -99,12 +99,7 @@ def test_token_mse_groups_key_must_name_dynamic_token_groups(tiny, tmp_path):
 
 
 def test_mixed_schemes_get_one_group_each(tiny, tmp_path, x):
-    model = tiny.model()
-    qfp8.quantize(model, weight_scale="channel", exclude=("lm_head", "*mlp*"))
-    mlp = tiny.model()
-    qfp8.quantize(mlp, weight_scale="tensor", exclude=("lm_head", "*self_attn*"))
-    for i, layer in enumerate(model.model.layers):
-        layer.mlp = mlp.model.layers[i].mlp
+    model = tiny.mixed()
     qfp8.save_pretrained(model, tmp_path)
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert len(qc["config_groups"]) == 2

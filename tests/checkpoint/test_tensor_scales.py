@@ -134,12 +134,7 @@ def test_channel_weights_are_not_listed(tiny, tmp_path):
 
 
 def test_mixed_schemes_list_only_the_per_tensor_group(tiny, tmp_path, x):
-    model = tiny.model()
-    qfp8.quantize(model, weight_scale="channel", exclude=("lm_head", "*mlp*"))
-    mlp = tiny.model()
-    qfp8.quantize(mlp, weight_scale="tensor", exclude=("lm_head", "*self_attn*"))
-    for i, layer in enumerate(model.model.layers):
-        layer.mlp = mlp.model.layers[i].mlp
+    model = tiny.mixed()
     qfp8.save_pretrained(model, tmp_path)
     qc = read_config(tmp_path)["quantization_config"]
     (listed,) = qc[KEY]

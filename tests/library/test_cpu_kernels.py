@@ -10,6 +10,7 @@ import torch
 from qfp8 import formats
 from qfp8.library import cpu
 from qfp8.library.testing import opcheck
+from tests.isas import ISA_PARAMS, forced, isa_param
 
 pytestmark = pytest.mark.skipif(cpu.cpu_kernel_isa() is None, reason="the qfp8 CPU extension is not built")
 
@@ -23,19 +24,9 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 SHAPES = [(1, 1, 1), (1, 7, 17), (3, 17, 7), (2, 33, 577), (4, 40, 130), (7, 577, 33), (13, 64, 300)]  # (M, N, K)
 
 
-def _isa_param(isa):
-    usable = cpu.usable_isas() + cpu.emulated_isas()  # avx512emu: the AVX512 kernel's code on AVX2
-    reason = f"this CPU or build does not run the {isa} kernel (usable here: {usable})"
-    return pytest.param(isa, id=isa, marks=pytest.mark.skipif(isa not in usable, reason=reason))
-
-
-ISA_PARAMS = [_isa_param(isa) for isa in cpu.ISAS + cpu.EMULATED_ISAS]
-
-
 @pytest.fixture(params=ISA_PARAMS)
 def isa(request):
-    with cpu.cpu_kernel_isa_forced(request.param):
-        yield request.param
+    yield from forced(request)
 
 
 def random_weight(n, k, dtype, granularity, block_size=(16, 7)):
@@ -401,7 +392,7 @@ def test_many_rows_over_several_chunks_and_grouped_tiles(isa, m, k, x_dtype, blo
     assert_random_case_matches_float64(isa, m, 150, k, x_dtype, block_size, activation)
 
 
-AVX512BF16 = _isa_param("avx512bf16")
+AVX512BF16 = isa_param("avx512bf16")
 
 
 @pytest.fixture

@@ -8,17 +8,12 @@ import torch
 
 from qfp8 import formats
 from qfp8.library import cpu
+from tests.isas import ISA_PARAMS
 
 pytestmark = pytest.mark.skipif(cpu.cpu_kernel_isa() is None, reason="the qfp8 CPU extension is not built")
 
 
-def _isa_param(isa):
-    usable = cpu.usable_isas() + cpu.emulated_isas()  # avx512emu: the AVX512 kernel's code on AVX2
-    reason = f"this CPU or build does not run the {isa} kernel (usable here: {usable})"
-    return pytest.param(isa, id=isa, marks=pytest.mark.skipif(isa not in usable, reason=reason))
-
-
-@pytest.mark.parametrize("isa", [_isa_param(isa) for isa in cpu.ISAS + cpu.EMULATED_ISAS])
+@pytest.mark.parametrize("isa", ISA_PARAMS)
 def test_every_usable_variant_passes_and_the_selection_is_restored(isa):
     before = cpu.cpu_kernel_isa()
     assert cpu.verify_cpu_kernel_isa(isa) is None

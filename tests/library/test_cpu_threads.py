@@ -13,22 +13,16 @@ from qfp8.library import cpu
 from qfp8.library.conv_cpu import CONV_OP
 from qfp8.nn.conv import quantize_convolution
 from qfp8.nn.scheme import QuantizationScheme
+from tests.isas import ISA_PARAMS, forced
 
 pytestmark = pytest.mark.skipif(CONV_OP is None, reason="the qfp8 CPU extension is not built")
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}  # max |y - reference| / max |reference|
 
 
-def _isa_param(isa):
-    usable = cpu.usable_isas() + cpu.emulated_isas()
-    reason = f"this CPU or build does not run the {isa} kernel (usable here: {usable})"
-    return pytest.param(isa, id=isa, marks=pytest.mark.skipif(isa not in usable, reason=reason))
-
-
-@pytest.fixture(params=[_isa_param(isa) for isa in cpu.ISAS + cpu.EMULATED_ISAS])
+@pytest.fixture(params=ISA_PARAMS)
 def isa(request):
-    with cpu.cpu_kernel_isa_forced(request.param):
-        yield request.param
+    yield from forced(request)
 
 
 def _at_thread_counts(fn, counts=(1, 2, 3)):

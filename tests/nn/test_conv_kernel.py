@@ -9,25 +9,18 @@ from torch.nn import functional as F
 
 import qfp8
 from qfp8 import formats
-from qfp8.library import cpu
 from qfp8.library.conv_cpu import CONV_OP
 from qfp8.library.testing import opcheck
 from qfp8.nn.conv import quantize_convolution
 from qfp8.nn.scheme import QuantizationScheme
+from tests.isas import ISA_PARAMS, forced
 
 pytestmark = pytest.mark.skipif(CONV_OP is None, reason="the qfp8 CPU extension is not built")
 
 
-def _isa_param(isa):
-    usable = cpu.usable_isas() + cpu.emulated_isas()
-    reason = f"this CPU or build does not run the {isa} kernel (usable here: {usable})"
-    return pytest.param(isa, id=isa, marks=pytest.mark.skipif(isa not in usable, reason=reason))
-
-
-@pytest.fixture(params=[_isa_param(isa) for isa in cpu.ISAS + cpu.EMULATED_ISAS])
+@pytest.fixture(params=ISA_PARAMS)
 def isa(request):
-    with cpu.cpu_kernel_isa_forced(request.param):
-        yield request.param
+    yield from forced(request)
 
 
 # (in, out, kernel, stride, padding, dilation, spatial): even channel counts let the avx512bf16 kernel read the
