@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from qfp8 import formats, rounding
-from qfp8.library.autograd import linear, needs_grad
+from qfp8.library.autograd import needs_grad
 from qfp8.library.conv_cpu import CONV_OP, conv_output_sizes
 from qfp8.library.ops import reference_activation
 from qfp8.library.routing import REFERENCE_KERNEL
@@ -350,15 +350,7 @@ class QConvNd(QLinear):
         """The layer's FP8 linear op on the patch matrix (calibration and gradients as QLinear's)."""
         if self.calibrating:
             return self._calibration_forward(patches)
-        buffers = self._buffers
-        op, bias = self._op, self._parameters["bias"]
-        args = (patches, buffers["qweight"], buffers["weight_scale"], bias, buffers["input_scale"], *self._extra_args)
-        try:
-            if op is self._kernel_op and needs_grad(patches, bias):
-                return linear(op, self._unpack, *args)
-            return op(*args)
-        except (RuntimeError, AttributeError) as error:
-            self._raise_input_error(patches, error)
+        return self._op_forward(patches)
 
     def _grouped(self, padded: torch.Tensor, out: list[int], dtype: torch.dtype) -> torch.Tensor:
         """The reference route of a grouped convolution: one product per group with the dequantized weight."""

@@ -517,6 +517,11 @@ class QLinear(QLinearStateMixin, QLinearCalibrationMixin, QLinearChecksMixin, nn
             # its check traces twice and compares (the fast path records no
             # module scope, so the second graph would differ).
             self._arm()
+        return self._op_forward(x)
+
+    def _op_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's linear op on ``x`` (a gradient-needing call through the kernel's autograd wrapper); an
+        input the op cannot take raises the layer's error (:meth:`_raise_input_error`)."""
         # Buffers read from their dicts directly: nn.Module.__getattr__ costs
         # about a microsecond per lookup, a sizeable part of a small M=1 layer.
         buffers = self._buffers
