@@ -2,34 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytest.importorskip("transformers", reason="bench/decode.py runs a Hugging Face Llama")
 
 
-def test_decode_bench_quick_mode(tmp_path, check_provenance):
-    out = tmp_path / "decode.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "decode.py"), "--quick", "--json", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_decode_bench_quick_mode(tmp_path, run_bench):
+    report, result = run_bench("decode.py", "--quick", timeout=600)
     assert "Greedy decode" in result.stdout and "Fast path" in result.stdout
-    report = json.loads(out.read_text())
-    check_provenance(report, "decode.py")
 
     rows = report["decode"]
     assert sorted((r["scheme"], r["attention"], r["mode"]) for r in rows) == sorted(

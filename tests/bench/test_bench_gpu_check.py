@@ -1,10 +1,6 @@
 """bench/gpu_check.py: the CPU dry run passes and the GPU plan covers the shapes and routes it must."""
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -44,20 +40,8 @@ def test_arguments():
     assert not gpu_check.parse_args([]).cpu_dry_run
 
 
-def test_cpu_dry_run_passes(tmp_path, check_provenance):
-    out = tmp_path / "gpu_check.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("QFP8_KERNEL", None)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu-dry-run", "--json", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    data = json.loads(out.read_text())
-    check_provenance(data, "gpu_check.py")
+def test_cpu_dry_run_passes(run_bench):
+    data, _ = run_bench("gpu_check.py", "--cpu-dry-run", unset=("QFP8_KERNEL",))
     assert data["mode"] == "cpu-dry-run" and data["passed"] is True
     routes = {row["route"].split("[")[0] for row in data["checks"]}
     assert {"pack", "weight-only(emulated)", "scaled-mm", "qlinear"} <= routes

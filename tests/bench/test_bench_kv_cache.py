@@ -1,28 +1,9 @@
 """bench/kv_cache.py --quick runs end to end and reports cache bytes, decode speed and accuracy."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def test_kv_cache_bench_quick(tmp_path, check_provenance):
-    out = tmp_path / "kv.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "kv_cache.py"), "--quick", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_kv_cache_bench_quick(tmp_path, run_bench):
+    results, proc = run_bench("kv_cache.py", "--quick")
     assert "cache bytes" in proc.stdout and "decode" in proc.stdout and "accuracy" in proc.stdout
-    results = json.loads(out.read_text())
-    check_provenance(results, "kv_cache.py")
     assert results["bytes"]["fp8_data"] * 2 == results["bytes"]["bf16"]
     assert 0 < results["bytes"]["fp8_scales"] < results["bytes"]["fp8_data"] / 100
     assert [row["context"] for row in results["decode"]["rows"]] == [128, 512]

@@ -1,9 +1,5 @@
 """bench/linear.py --quick runs and writes every column (so the benchmark cannot rot)."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,23 +10,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     "extra", [[], ["--weight-scale", "block", "--shapes", "576x1536"]], ids=["channel", "block-one-shape"]
 )
-def test_bench_linear_quick_writes_every_column(tmp_path, extra, check_provenance):
+def test_bench_linear_quick_writes_every_column(tmp_path, extra, run_bench):
     from qfp8.library import cpu
 
     if cpu.cpu_kernel_isa() is None:
         pytest.skip("the qfp8 CPU extension is not built")
-    out = tmp_path / "linear.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "linear.py"), "--quick", "--json", str(out), *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    data = json.loads(out.read_text())
-    check_provenance(data, "linear.py")
+    data, _ = run_bench("linear.py", "--quick", *extra)
     columns = ["bf16", "fp32", "qfp8_w8a16", "qfp8_w8a8", "dequant_bf16", "scaled_mm", "int8pack_mm"]
     assert data["columns"] == columns
     assert data["rows"], "no rows measured"

@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 pytest.importorskip("transformers", reason="bench/load.py loads Hugging Face Llama checkpoints")
 
 
-def test_load_bench_quick_mode(tmp_path, check_provenance):
-    out = tmp_path / "load.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "load.py"), "--quick", "--json", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_load_bench_quick_mode(tmp_path, run_bench):
+    report, result = run_bench("load.py", "--quick", timeout=900)
     assert "Peak RSS above the imports" in result.stdout and "One-token step" in result.stdout
-    report = json.loads(out.read_text())
     provenance = report["provenance"]
-    check_provenance(report, "load.py")
     assert provenance["transformers"]
     assert "--quick" in provenance["command"]
 

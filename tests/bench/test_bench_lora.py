@@ -1,36 +1,18 @@
 """bench/lora.py --quick runs end to end and writes every row with its provenance (so the benchmark cannot rot)."""
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_bench_lora_quick_writes_layer_and_training_rows(tmp_path, check_provenance):
+def test_bench_lora_quick_writes_layer_and_training_rows(tmp_path, run_bench):
     from qfp8.library import cpu
 
     if cpu.cpu_kernel_isa() is None:
         pytest.skip("the qfp8 CPU extension is not built")
     pytest.importorskip("peft", reason="the LoRA rows train peft adapters")
-    out = tmp_path / "lora.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "lora.py"), "--quick", "--rounds", "2", "--json", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    data = json.loads(out.read_text())
+    data, _ = run_bench("lora.py", "--quick", "--rounds", "2")
     source = data["provenance"]
-    check_provenance(data, "lora.py")
     assert source["threads"] == 1 and "--quick" in source["command"] and source["isa"] == cpu.cpu_kernel_isa()
     assert {row["scheme"] for row in data["layer"]} == {"w8a16", "w8a8"}
     for row in data["layer"]:

@@ -2,25 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def test_quick_mode_times_every_method_and_fp8_stays_accurate(tmp_path, check_provenance):
-    out = tmp_path / "moe.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "moe.py"), "--quick", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    data = json.loads(out.read_text())
-    check_provenance(data, "moe.py")
+def test_quick_mode_times_every_method_and_fp8_stays_accurate(tmp_path, run_bench):
+    data, result = run_bench("moe.py", "--quick", timeout=600)
     rows = data["rows"]
     methods = {"bf16_grouped_mm", "bf16_eager", "qfp8_w8a16_eager_loop", "qfp8_w8a16", "qfp8_w8a8"}
     for tokens in (1, 16):

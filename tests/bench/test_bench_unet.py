@@ -1,30 +1,11 @@
 """bench/unet.py --quick runs and writes its rows and provenance (so the benchmark cannot rot)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_bench_unet_quick_writes_rows_and_provenance(tmp_path, check_provenance):
+def test_bench_unet_quick_writes_rows_and_provenance(tmp_path, run_bench):
     pytest.importorskip("diffusers", reason="the bench builds a diffusers UNet")
-    out = tmp_path / "unet.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "unet.py"), "--quick", "--json", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    data = json.loads(out.read_text())
-    check_provenance(data, "unet.py")
+    data, result = run_bench("unet.py", "--quick")
     assert data["provenance"]["threads"] == 1
     assert len(data["conv"]) == 2
     for row in data["conv"]:
