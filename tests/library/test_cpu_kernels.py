@@ -617,7 +617,11 @@ def test_large_packed_weight_is_huge_page_aligned_and_round_trips():
 def test_repeated_large_calls_reuse_their_activation_buffers(activation):
     """A call's laid-out (or quantized) activations live in scratch memory that the next call takes again: a fresh
     buffer of this size (32 MB) faults in at least sixteen 2 MiB pages (8192 with 4 KiB pages) at every call, and after
-    other large allocations far more slowly. The results stay the float64 reference's."""
+    other large allocations far more slowly. The results stay the float64 reference's.
+
+    glibc may trim its heap between calls, and the next call's small allocations (the 128 KB output) then fault in
+    again now and then: the fewest faults of three runs of three calls is compared, which a buffer taken fresh at
+    every call exceeds in every run."""
     import resource
 
     k = 4096
@@ -626,11 +630,13 @@ def test_repeated_large_calls_reuse_their_activation_buffers(activation):
     x = torch.randn(2048, k, dtype=torch.bfloat16)
     call = torch.ops.qfp8.scaled_linear_cpu
     first = call(x, packed, scale, None, None, 32, k, [], activation, torch.float8_e4m3fn)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    runs = []
     for _ in range(3):
-        again = call(x, packed, scale, None, None, 32, k, [], activation, torch.float8_e4m3fn)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    assert faults <= 8, faults
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(3):
+            again = call(x, packed, scale, None, None, 32, k, [], activation, torch.float8_e4m3fn)
+        runs.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    assert min(runs) <= 8, runs
     assert torch.equal(again, first)
     xr = x.double()
     if activation == "token":
